@@ -1,0 +1,26 @@
+# Two entry points, both safe to run on a fresh machine and to run again:
+#   make run    set up .venv, fetch the default model, generate with DFlash on it
+#   make test   set up .venv (with test tools), fetch the default model, run every test
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.specserve-installed
+
+.PHONY: setup run test
+
+$(STAMP): pyproject.toml tests/requirements-speculators.txt
+	test -x $(BIN)/python || python3 -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[cpu,test]'
+	$(BIN)/pip install --quiet --no-deps speculators==0.9.0
+	$(BIN)/pip install --quiet -r tests/requirements-speculators.txt
+	touch $(STAMP)
+
+setup: $(STAMP)
+	$(BIN)/specserve pull
+
+run: setup
+	$(BIN)/specserve generate --method dflash --drafter random --max-new-tokens 64 \
+		--prompt "Natalia sold clips to 48 friends in April, and half as many in May. How many clips did she sell in total?"
+
+test: setup
+	$(BIN)/python -m pytest -q

@@ -1,0 +1,164 @@
+"""The `specserve` command line. Heavy imports (torch, transformers) happen inside the commands
+that need them, so the operator's commands run where torch is not installed."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+METHODS = ("ar", "ngram", "eagle3", "dflash")
+
+
+class UsageError(Exception):
+    """Bad input from the user: reported as one line, exit status 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line naming the problem, not the whole usage text
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def read_prompts(args) -> list[str]:
+    if args.prompt is not None:
+        return [args.prompt]
+    path = Path(args.prompts_file)
+    if not path.is_file():
+        raise UsageError(f"--prompts-file {path}: no such file")
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{path}:{number}: invalid JSON ({exc.msg})") from exc
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise UsageError(f'{path}:{number}: expected an object with a string "prompt" field')
+        prompts.append(record["prompt"])
+    if not prompts:
+        raise UsageError(f"{path}: no prompts")
+    return prompts
+
+
+def speculative_tokens(args) -> int | None:
+    if args.block_size is not None:
+        if args.method != "dflash":
+            raise UsageError("--block-size applies to --method dflash only (use --num-speculative-tokens)")
+        if args.block_size < 2:
+            raise UsageError(f"--block-size must be >= 2, got {args.block_size}")
+        if args.num_speculative_tokens is not None and args.num_speculative_tokens != args.block_size - 1:
+            raise UsageError("--num-speculative-tokens must be --block-size - 1 when both are given")
+        return args.block_size - 1
+    if args.num_speculative_tokens is not None and args.num_speculative_tokens < 1:
+        raise UsageError(f"--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
+    return args.num_speculative_tokens
+
+
+def cmd_pull(args) -> None:
+    from .store import pull
+
+    pull(force=args.force, log=lambda message: print(message, file=sys.stderr))
+
+
+def cmd_generate(args) -> None:
+    from .drafters import ProposerOptions
+    from .engine import Request
+    from .loader import build_engine, load_model
+    from .verify import SamplingParams
+
+    prompts = read_prompts(args)
+    num_tokens = speculative_tokens(args)
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    sampling = SamplingParams(temperature=args.temperature)
+    model = load_model(args.model)
+    engine = build_engine(model, args.method, ProposerOptions(args.drafter, num_tokens, seed=args.seed))
+    for index, prompt in enumerate(prompts):
+        request = Request(model.encode(prompt, raw=args.raw), args.max_new_tokens, sampling, args.seed)
+        result = engine.generate(request)
+        if args.json:
+            print(json.dumps(result_record(index, result)), flush=True)
+        else:
+            print(result.text, flush=True)
+            print(
+                f"[{args.method}] {len(result.token_ids)} tokens, {result.target_forwards} target forwards, "
+                f"acceptance length {result.acceptance_length:.2f}, {result.decode_seconds:.2f}s decode",
+                file=sys.stderr,
+            )
+
+
+def result_record(index: int, result) -> dict:
+    return {
+        "index": index,
+        "text": result.text,
+        "token_ids": result.token_ids,
+        "num_generated": len(result.token_ids),
+        "finish_reason": result.finish_reason,
+        "prompt_tokens": result.prompt_tokens,
+        "target_forwards": result.target_forwards,
+        "acceptance_length": round(result.acceptance_length, 4),
+        "num_draft_tokens": result.num_draft_tokens,
+        "num_accepted_tokens": result.num_accepted_tokens,
+        "accepted_per_position": result.accepted_per_position,
+        "prefill_seconds": round(result.prefill_seconds, 4),
+        "decode_seconds": round(result.decode_seconds, 4),
+    }
+
+
+def cmd_export_drafter(args) -> None:
+    from .drafters.dflash import export_speculators, load_dflash
+
+    drafter = load_dflash(args.drafter)
+    export_speculators(drafter, args.out, args.verifier, args.verifier_architectures)
+    print(f"wrote a speculators-format DFlash checkpoint to {args.out}", file=sys.stderr)
+
+
+def build_parser() -> Parser:
+    from .store import DEFAULT_MODEL
+
+    parser = Parser(prog="specserve", description="Speculative decoding as a measured, multi-tenant service.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+
+    pull = commands.add_parser("pull", help=f"fetch and cache the default model ({DEFAULT_MODEL})")
+    pull.add_argument("--force", action="store_true", help="fetch again even if a cache exists")
+    pull.set_defaults(run=cmd_pull)
+
+    gen = commands.add_parser("generate", help="generate text with the embedded engine")
+    gen.add_argument("--method", required=True, choices=METHODS)
+    gen.add_argument("--model", default=DEFAULT_MODEL, help="a Hugging Face folder or the default model's name")
+    gen.add_argument("--drafter", help="drafter checkpoint folder, or 'random' for a seeded random drafter")
+    gen.add_argument("--block-size", type=int, help="dflash: tokens per drafted block (last token + B-1 masks)")
+    gen.add_argument("--num-speculative-tokens", type=int, help="draft tokens per step")
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="one user message")
+    source.add_argument("--prompts-file", help='JSONL file, one object with a "prompt" field per line')
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    gen.set_defaults(run=cmd_generate)
+
+    export = commands.add_parser("export-drafter", help="convert a z-lab layout DFlash drafter to the speculators layout")
+    export.add_argument("--drafter", required=True, help="z-lab layout checkpoint folder")
+    export.add_argument("--out", required=True, help="output folder")
+    export.add_argument("--verifier", default="HuggingFaceTB/SmolLM2-135M-Instruct", help="target model id for vLLM")
+    export.add_argument("--verifier-architectures", nargs="+", default=["LlamaForCausalLM"])
+    export.set_defaults(run=cmd_export_drafter)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .errors import DrafterError, ModelError
+
+    try:
+        args = build_parser().parse_args(argv)
+        args.run(args)
+    except (UsageError, ModelError, DrafterError, ValueError) as exc:
+        print(f"specserve: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Proposers: one file per method behind one small interface, chosen from a registry.
+
+The engine owns the target and its KV cache. A proposer only guesses tokens; the engine
+verifies every guess, so no proposer can change the output, only the speed.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from ..errors import DrafterError
+from ..model import ModelConfig, Transformer
+
+
+class Proposer(Protocol):
+    tap_layers: tuple[int, ...]  # target layers whose outputs this proposer conditions on
+
+    def begin(self, capacity: int) -> None:
+        """Forget the previous sequence; the next one holds at most `capacity` tokens."""
+
+    def extend_context(self, taps: torch.Tensor | None) -> None:
+        """Target features [T, len(tap_layers) * H] of the tokens just committed to the target's KV cache."""
+
+    def propose(self, tokens: list[int], max_drafts: int) -> list[int]:
+        """Up to `max_drafts` guesses of the tokens that follow `tokens` (all committed tokens)."""
+
+
+class NoDraft:
+    """Plain autoregressive decoding: the shared loop with an empty draft verifies one token per step."""
+
+    tap_layers: tuple[int, ...] = ()
+
+    def begin(self, capacity: int) -> None:
+        pass
+
+    def extend_context(self, taps: torch.Tensor | None) -> None:
+        pass
+
+    def propose(self, tokens: list[int], max_drafts: int) -> list[int]:
+        return []
+
+
+@dataclass(frozen=True)
+class ProposerOptions:
+    drafter: str | None = None  # checkpoint folder, "random", or None for the method's default
+    num_speculative_tokens: int | None = None  # drafts per step (dflash: block size - 1)
+    mask_token_id: int | None = None  # dflash with a random drafter: the mask token to record
+    seed: int = 0
+
+
+def check_matches_target(method: str, drafter_config, target: ModelConfig) -> None:
+    """A drafter reads the target's features and shares its embedding and LM head: shapes must agree."""
+    problems = [
+        f"{name} {mine} != target's {theirs}"
+        for name, mine, theirs in [
+            ("hidden_size", drafter_config.hidden_size, target.hidden_size),
+            ("vocab_size", drafter_config.vocab_size, target.vocab_size),
+            ("num_target_layers", drafter_config.num_target_layers, target.num_hidden_layers),
+        ]
+        if mine != theirs
+    ]
+    if problems:
+        raise DrafterError(f"{method} drafter does not match the target model: " + "; ".join(problems))
+
+
+def _build_ar(target: Transformer, options: ProposerOptions) -> Proposer:
+    return NoDraft()
+
+
+def _build_ngram(target: Transformer, options: ProposerOptions) -> Proposer:
+    from .ngram import NgramProposer
+
+    return NgramProposer(num_speculative_tokens=options.num_speculative_tokens or NgramProposer.DEFAULT_TOKENS)
+
+
+def _build_eagle3(target: Transformer, options: ProposerOptions) -> Proposer:
+    from .eagle3 import build_eagle3
+
+    return build_eagle3(target, options)
+
+
+def _build_dflash(target: Transformer, options: ProposerOptions) -> Proposer:
+    from .dflash import build_dflash
+
+    return build_dflash(target, options)
+
+
+PROPOSERS: dict[str, Callable[[Transformer, ProposerOptions], Proposer]] = {
+    "ar": _build_ar,
+    "ngram": _build_ngram,
+    "eagle3": _build_eagle3,
+    "dflash": _build_dflash,
+}
+
+
+def build_proposer(method: str, target: Transformer, options: ProposerOptions = ProposerOptions()) -> Proposer:
+    if method not in PROPOSERS:
+        raise DrafterError(f"unknown method {method!r}; choose one of {', '.join(PROPOSERS)}")
+    if options.num_speculative_tokens is not None and options.num_speculative_tokens < 1:
+        raise DrafterError(f"num_speculative_tokens must be >= 1, got {options.num_speculative_tokens}")
+    return PROPOSERS[method](target, options)

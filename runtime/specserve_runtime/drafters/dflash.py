@@ -1,0 +1,275 @@
+"""DFlash: a block-diffusion drafter that drafts a whole block in one forward.
+
+The drafter is a few Qwen3-style decoder layers of the target's width. Context features
+(outputs of several target layers, fused by fc + RMSNorm, one vector per committed token)
+enter every draft layer as extra keys/values; queries come only from the block
+[last committed token, MASK x (B-1)], which attends to all context and to itself with no
+causal mask. The target's embedding and LM head are shared and frozen: a checkpoint ships
+neither, and they are applied here, in the proposer, not inside the drafter.
+"""
+
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..kv_cache import KVCache
+from ..layers import RMSNorm, RotaryEmbedding
+from ..model import DecoderLayer, ModelConfig, Transformer
+from . import DrafterError, ProposerOptions, check_matches_target, checkpoint
+
+DEFAULT_BLOCK_SIZE = 8
+# SmolLM2 has no mask token and no free embedding row. <empty_output> (id 16) is a special token
+# of its Jupyter pre-training data: never produced by the chat template, never end-of-sequence.
+MASK_TOKEN = "<empty_output>"
+
+
+def target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
+    """Target layers to tap, spread evenly from layer 1 to N-3 (z-lab's formula, Python rounding)."""
+    if num_taps == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_taps - 1)) for i in range(num_taps)]
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int
+    max_position_embeddings: int
+    block_size: int
+    num_target_layers: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+
+    def __post_init__(self):
+        if self.block_size < 2:
+            raise DrafterError(f"block_size must be >= 2 (the last token plus at least one mask), got {self.block_size}")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad or not self.target_layer_ids:
+            raise DrafterError(f"target_layer_ids {list(self.target_layer_ids)} not within 0..{self.num_target_layers - 1}")
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, num_layers: int, block_size: int, mask_token_id: int) -> "DFlashConfig":
+        return cls(
+            hidden_size=target.hidden_size,
+            intermediate_size=target.intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=target.num_attention_heads,
+            num_key_value_heads=target.num_key_value_heads,
+            head_dim=target.head_dim,
+            rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope_theta,
+            vocab_size=target.vocab_size,
+            max_position_embeddings=target.max_position_embeddings,
+            block_size=block_size,
+            num_target_layers=target.num_hidden_layers,
+            target_layer_ids=tuple(target_layer_ids(target.num_hidden_layers, num_layers)),
+            mask_token_id=mask_token_id,
+        )
+
+    def layer_config(self) -> ModelConfig:
+        return ModelConfig(
+            model_type="qwen3",
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            rope_scaling=None,
+            tie_word_embeddings=False,
+            max_position_embeddings=self.max_position_embeddings,
+        )
+
+    def _qwen3_fields(self) -> dict:
+        fixed = {"block_size", "num_target_layers", "target_layer_ids", "mask_token_id"}
+        qwen3 = {k: v for k, v in asdict(self).items() if k not in fixed}
+        return {
+            "model_type": "qwen3",
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "tie_word_embeddings": False,
+            "rope_scaling": None,
+            **qwen3,
+        }
+
+    def to_zlab(self) -> dict:
+        """config.json in z-lab's layout (as z-lab/Qwen3-8B-DFlash-b16 ships it)."""
+        return {
+            "architectures": ["DFlashDraftModel"],
+            **self._qwen3_fields(),
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "dtype": "float32",
+        }
+
+    @classmethod
+    def from_zlab(cls, raw: dict) -> "DFlashConfig":
+        if raw.get("architectures") != ["DFlashDraftModel"]:
+            raise DrafterError(f"not a DFlash drafter: architectures={raw.get('architectures')}")
+        dflash = raw.get("dflash_config") or {}
+        values = {**raw, **dflash}
+        values.setdefault("head_dim", raw.get("hidden_size", 0) // max(raw.get("num_attention_heads", 1), 1))
+        values.setdefault("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 1e6))
+        values.setdefault("max_position_embeddings", 40960)
+        names = [f.name for f in fields(cls)]
+        missing = [n for n in names if n not in values]
+        if missing:
+            raise DrafterError(f"DFlash config.json lacks {', '.join(missing)}")
+        values["target_layer_ids"] = tuple(values["target_layer_ids"])
+        return cls(**{n: values[n] for n in names})
+
+    def to_speculators(self, verifier_name_or_path: str, verifier_architectures: list[str]) -> dict:
+        """config.json in the `speculators` layout, the format vLLM loads."""
+        return {
+            "architectures": ["DFlashSpeculator"],
+            "speculators_model_type": "dflash",
+            "transformer_layer_config": self._qwen3_fields(),
+            "draft_vocab_size": self.vocab_size,
+            "block_size": self.block_size,
+            # speculators indexes hidden_states with the embedding output at 0, z-lab the first layer
+            "aux_hidden_state_layer_ids": [i + 1 for i in self.target_layer_ids],
+            "mask_token_id": self.mask_token_id,
+            "speculators_config": {
+                "algorithm": "dflash",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": self.block_size - 1}],
+                "default_proposal_method": "greedy",
+                "verifier": {"name_or_path": verifier_name_or_path, "architectures": verifier_architectures},
+            },
+        }
+
+
+class DFlashLayer(DecoderLayer):
+    def forward(self, x, cos, sin, context_k, context_v):
+        h = self.input_layernorm(x)
+        q = self.self_attn.query(h, cos, sin)
+        k, v = self.self_attn.key_value(h, cos, sin)
+        # Keys/values are [context ; block]. No mask: the block sees all context and itself.
+        k, v = torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2)
+        x = x + self.self_attn.output(q, k, v, None)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.config = config
+        layer_cfg = config.layer_config()
+        h = config.hidden_size
+        self.fc = nn.Linear(len(config.target_layer_ids) * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(layer_cfg) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+
+    def context_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Target taps [C, L*H] at absolute positions [C] -> per draft layer, context keys/values."""
+        context = self.hidden_norm(self.fc(taps))  # [C, H]: the same vectors enter every layer
+        cos, sin = self.rotary(positions)
+        return [layer.self_attn.key_value(context, cos, sin) for layer in self.layers]
+
+    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, context_kv) -> torch.Tensor:
+        """Block embeddings [B, H] at positions [B] -> normalised hidden states [B, H] for the LM head."""
+        cos, sin = self.rotary(positions)
+        x = block_embeds
+        for layer, (context_k, context_v) in zip(self.layers, context_kv):
+            x = layer(x, cos, sin, context_k, context_v)
+        return self.norm(x)
+
+
+class DFlashProposer:
+    def __init__(self, target: Transformer, drafter: DFlashDrafter, num_speculative_tokens: int):
+        self.target, self.drafter = target, drafter
+        self.num_speculative_tokens = num_speculative_tokens
+        self.tap_layers = drafter.config.target_layer_ids
+        self.context_cache: KVCache | None = None
+        self.pending: list[torch.Tensor] = []
+
+    def begin(self, capacity: int) -> None:
+        cfg = self.drafter.config
+        self.context_cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity)
+        self.pending = []
+
+    def extend_context(self, taps: torch.Tensor | None) -> None:
+        self.pending.append(taps)
+
+    @torch.inference_mode()
+    def propose(self, tokens: list[int], max_drafts: int) -> list[int]:
+        cache = self.context_cache
+        if self.pending:  # project the new context once; it never changes afterwards
+            taps = torch.cat(self.pending)
+            self.pending = []
+            positions = torch.arange(cache.length, cache.length + taps.shape[0])
+            for layer, (k, v) in enumerate(self.drafter.context_kv(taps, positions)):
+                cache.write(layer, k, v)
+            cache.advance(taps.shape[0])
+        num_drafts = min(self.num_speculative_tokens, max_drafts)
+        if num_drafts <= 0:
+            return []
+        # The context covers every committed token but the last, so the block starts at that token.
+        block_size = self.drafter.config.block_size
+        block = torch.full((block_size,), self.drafter.config.mask_token_id)
+        block[0] = tokens[-1]
+        positions = torch.arange(cache.length, cache.length + block_size)
+        context_kv = [cache.get(layer) for layer in range(len(self.drafter.layers))]
+        hidden = self.drafter(self.target.embed_tokens(block), positions, context_kv)
+        # Slot i (i >= 1) predicts the token i places after the last committed one.
+        return self.target.lm_head(hidden[1 : 1 + num_drafts]).argmax(dim=-1).tolist()
+
+
+def random_drafter(config: DFlashConfig, seed: int) -> DFlashDrafter:
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        drafter = DFlashDrafter(config)
+    return drafter.eval().requires_grad_(False)
+
+
+def load_dflash(folder: str | Path) -> DFlashDrafter:
+    drafter = DFlashDrafter(DFlashConfig.from_zlab(checkpoint.read_config(folder)))
+    checkpoint.load_weights(drafter, folder)
+    return drafter.eval().requires_grad_(False)
+
+
+def save_dflash(drafter: DFlashDrafter, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
+    return checkpoint.save(drafter, drafter.config.to_zlab(), folder, dtype)
+
+
+def export_speculators(
+    drafter: DFlashDrafter, folder: str | Path, verifier_name_or_path: str, verifier_architectures: list[str]
+) -> Path:
+    """Write the drafter in the `speculators` layout (same weight names, vLLM-loadable config)."""
+    config = drafter.config.to_speculators(verifier_name_or_path, verifier_architectures)
+    return checkpoint.save(drafter, config, folder)
+
+
+def build_dflash(target: Transformer, options: ProposerOptions) -> DFlashProposer:
+    if options.drafter is None:
+        raise DrafterError("no trained DFlash drafter ships for this model yet: pass --drafter PATH or --drafter random")
+    if options.drafter == "random":
+        if options.mask_token_id is None:
+            raise DrafterError("a random DFlash drafter needs a mask token id")
+        block_size = options.num_speculative_tokens + 1 if options.num_speculative_tokens else DEFAULT_BLOCK_SIZE
+        config = DFlashConfig.for_target(target.config, 2, block_size, options.mask_token_id)
+        drafter = random_drafter(config, options.seed)
+    else:
+        drafter = load_dflash(options.drafter)
+    check_matches_target("dflash", drafter.config, target.config)
+    max_drafts = drafter.config.block_size - 1
+    num_tokens = options.num_speculative_tokens or max_drafts
+    if num_tokens > max_drafts:
+        raise DrafterError(f"num_speculative_tokens {num_tokens} exceeds the drafter's block size - 1 ({max_drafts})")
+    return DFlashProposer(target, drafter, num_tokens)

@@ -1,0 +1,168 @@
+"""EAGLE-3 style drafter: fused low/mid/high target features + token embedding -> one decoder layer.
+
+Position j of the drafter pairs the embedding of token j+1 with the target's feature at token j
+and predicts token j+2. Past the committed tokens the drafter has no target feature, so it feeds
+its own output hidden state instead and drafts k tokens one after another. The target's
+embedding and LM head are shared and frozen.
+"""
+
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..kv_cache import KVCache
+from ..layers import MLP, Attention, RMSNorm, RotaryEmbedding, causal_mask
+from ..model import ModelConfig, Transformer
+from . import DrafterError, ProposerOptions, check_matches_target, checkpoint
+
+DEFAULT_TOKENS = 4
+
+
+def feature_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
+    """Low, middle and high target layers (vLLM's EAGLE-3 choice, as 0-based layer outputs)."""
+    return (1, num_target_layers // 2 - 1, num_target_layers - 4)
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: tuple[int, ...]
+
+    @classmethod
+    def for_target(cls, target: ModelConfig) -> "Eagle3Config":
+        return cls(
+            hidden_size=target.hidden_size,
+            intermediate_size=target.intermediate_size,
+            num_attention_heads=target.num_attention_heads,
+            num_key_value_heads=target.num_key_value_heads,
+            head_dim=target.head_dim,
+            rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope_theta,
+            vocab_size=target.vocab_size,
+            num_target_layers=target.num_hidden_layers,
+            target_layer_ids=feature_layer_ids(target.num_hidden_layers),
+        )
+
+    def to_json(self) -> dict:
+        return {"architectures": ["Eagle3DraftModel"], **asdict(self), "target_layer_ids": list(self.target_layer_ids)}
+
+    @classmethod
+    def from_json(cls, raw: dict) -> "Eagle3Config":
+        if raw.get("architectures") != ["Eagle3DraftModel"]:
+            raise DrafterError(f"not an EAGLE-3 drafter: architectures={raw.get('architectures')}")
+        names = [f.name for f in fields(cls)]
+        missing = [n for n in names if n not in raw]
+        if missing:
+            raise DrafterError(f"EAGLE-3 config.json lacks {', '.join(missing)}")
+        return cls(**{n: (tuple(raw[n]) if n == "target_layer_ids" else raw[n]) for n in names})
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        h = cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)  # on the token embeddings
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)  # on the features
+        # Attention reads [embedding ; feature], 2H wide, and writes back H.
+        self.self_attn = Attention(
+            2 * h, h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, False, cfg.rms_norm_eps
+        )
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = MLP(h, cfg.intermediate_size)
+
+    def forward(self, embeds, features, cos, sin, cache: KVCache, mask):
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(features)], dim=-1)
+        q = self.self_attn.query(x, cos, sin)
+        k, v = cache.write(0, *self.self_attn.key_value(x, cos, sin))
+        h = features + self.self_attn.output(q, k, v, mask)  # the residual stream is the feature's
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.fc = nn.Linear(len(config.target_layer_ids) * h, h, bias=False)
+        self.midlayer = Eagle3Layer(config)
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """embeds, features [T, H] at the next T drafter positions -> hidden states [T, H] (before the norm)."""
+        num_new = embeds.shape[0]
+        cos, sin = self.rotary(torch.arange(cache.length, cache.length + num_new))
+        hidden = self.midlayer(embeds, features, cos, sin, cache, causal_mask(num_new, cache.length + num_new))
+        cache.advance(num_new)
+        return hidden
+
+
+class Eagle3Proposer:
+    def __init__(self, target: Transformer, drafter: Eagle3Drafter, num_speculative_tokens: int):
+        self.target, self.drafter = target, drafter
+        self.num_speculative_tokens = num_speculative_tokens
+        self.tap_layers = drafter.config.target_layer_ids
+        self.cache: KVCache | None = None
+        self.pending: list[torch.Tensor] = []
+        self.num_context = 0  # drafter positions backed by real target features
+
+    def begin(self, capacity: int) -> None:
+        cfg = self.drafter.config
+        self.cache = KVCache(1, cfg.num_key_value_heads, cfg.head_dim, capacity)
+        self.pending, self.num_context = [], 0
+
+    def extend_context(self, taps: torch.Tensor | None) -> None:
+        self.pending.append(taps)
+
+    @torch.inference_mode()
+    def propose(self, tokens: list[int], max_drafts: int) -> list[int]:
+        num_drafts = min(self.num_speculative_tokens, max_drafts)
+        if num_drafts <= 0 or not self.pending:
+            return []
+        # Positions past num_context were fed the drafter's own guesses last step: drop them.
+        self.cache.crop(self.num_context)
+        features = self.drafter.fc(torch.cat(self.pending))  # [T, H]
+        self.pending = []
+        start, end = self.num_context, self.num_context + features.shape[0]  # end == len(tokens) - 1
+        embeds = self.target.embed_tokens(torch.tensor(tokens[start + 1 : end + 1]))
+        hidden = self.drafter(embeds, features, self.cache)[-1:]
+        self.num_context = end
+        drafts = []
+        while True:
+            drafts.append(int(self.target.lm_head(self.drafter.norm(hidden)).argmax()))
+            if len(drafts) == num_drafts:
+                return drafts
+            hidden = self.drafter(self.target.embed_tokens(torch.tensor(drafts[-1:])), hidden, self.cache)
+
+
+def load_eagle3(folder: str | Path) -> Eagle3Drafter:
+    drafter = Eagle3Drafter(Eagle3Config.from_json(checkpoint.read_config(folder)))
+    checkpoint.load_weights(drafter, folder)
+    return drafter.eval().requires_grad_(False)
+
+
+def save_eagle3(drafter: Eagle3Drafter, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
+    return checkpoint.save(drafter, drafter.config.to_json(), folder, dtype)
+
+
+def build_eagle3(target: Transformer, options: ProposerOptions) -> Eagle3Proposer:
+    if options.drafter is None:
+        raise DrafterError("no trained EAGLE-3 drafter ships for this model yet: pass --drafter PATH or --drafter random")
+    if options.drafter == "random":
+        with torch.random.fork_rng():
+            torch.manual_seed(options.seed)
+            drafter = Eagle3Drafter(Eagle3Config.for_target(target.config)).eval().requires_grad_(False)
+    else:
+        drafter = load_eagle3(options.drafter)
+    check_matches_target("eagle3", drafter.config, target.config)
+    return Eagle3Proposer(target, drafter, options.num_speculative_tokens or DEFAULT_TOKENS)

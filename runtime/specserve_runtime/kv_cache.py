@@ -1,0 +1,41 @@
+"""A preallocated key/value cache for one sequence, with rollback by cropping."""
+
+import torch
+
+
+class KVCache:
+    """Keys and values of every layer, [layers, kv_heads, capacity, head_dim].
+
+    `length` counts the positions whose keys and values are valid. A forward of T new tokens
+    writes slots [length, length + T) in every layer and then advances `length` by T.
+    Rejected draft positions are dropped with `crop`: their slots stay allocated and are
+    overwritten by the next forward, so rollback costs nothing.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype=torch.float32):
+        shape = (num_layers, num_kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+        self.capacity = capacity
+        self.length = 0
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k/v [1, kv_heads, T, D] after `length`; return all valid keys/values of the layer."""
+        end = self.length + k.shape[2]
+        if end > self.capacity:
+            raise ValueError(f"KV cache overflow: {end} positions needed, capacity {self.capacity}")
+        self.k[layer, :, self.length : end] = k[0]
+        self.v[layer, :, self.length : end] = v[0]
+        return self.k[layer, :, :end].unsqueeze(0), self.v[layer, :, :end].unsqueeze(0)
+
+    def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All valid keys/values of a layer, [1, kv_heads, length, D]."""
+        return self.k[layer, :, : self.length].unsqueeze(0), self.v[layer, :, : self.length].unsqueeze(0)
+
+    def advance(self, num_tokens: int) -> None:
+        self.length += num_tokens
+
+    def crop(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a cache of length {self.length} to {length}")
+        self.length = length

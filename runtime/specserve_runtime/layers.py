@@ -1,0 +1,141 @@
+"""Transformer building blocks shared by the target model and both drafters.
+
+Tensors for one sequence carry no batch axis: hidden states are [T, H] and attention
+works on [1, heads, T, head_dim] so that SDPA's grouped-query support can be used.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward, as in Llama and Qwen3."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position tables (Hugging Face's rotate-half convention), indexed by absolute position."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        if scaling:
+            inv_freq = _scale_inv_freq(inv_freq, scaling)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.register_buffer("cos", torch.empty(0, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(0, head_dim), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, sin), each [T, head_dim]."""
+        needed = int(positions.max()) + 1
+        if needed > self.cos.shape[0]:
+            self._grow(max(needed, 2 * self.cos.shape[0], 1024))
+        return self.cos[positions], self.sin[positions]
+
+    def _grow(self, length: int) -> None:
+        freqs = torch.outer(torch.arange(length, dtype=torch.float32), self.inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":  # Llama 3.1+: long wavelengths slowed down, short ones kept
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        out = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        return torch.where((wavelen <= old_len / low) & (wavelen >= old_len / high), mid, out)
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [1, heads, T, D]; cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def causal_mask(num_queries: int, num_keys: int) -> torch.Tensor | None:
+    """Boolean mask for queries that are the last `num_queries` of `num_keys` positions.
+
+    Query i sits at absolute position num_keys - num_queries + i and may see keys up to and
+    including itself. A single query sees everything, so it needs no mask.
+    """
+    if num_queries == 1:
+        return None
+    offset = num_keys - num_queries
+    q = torch.arange(num_queries).unsqueeze(1)
+    k = torch.arange(num_keys).unsqueeze(0)
+    return k <= q + offset
+
+
+class Attention(nn.Module):
+    """Grouped-query attention projections; how keys and values are gathered is the caller's choice."""
+
+    def __init__(
+        self,
+        in_features: int,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qk_norm: bool,
+        eps: float,
+    ):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(in_features, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(in_features, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(in_features, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        # Qwen3 normalises every query and key head before RoPE; Llama does not.
+        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+
+    def _heads(self, x: torch.Tensor, num_heads: int) -> torch.Tensor:
+        return x.view(x.shape[0], num_heads, self.head_dim).transpose(0, 1).unsqueeze(0)
+
+    def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q = self._heads(self.q_proj(x), self.num_heads)  # [1, heads, T, D]
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return apply_rope(q, cos, sin)
+
+    def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        k = self._heads(self.k_proj(x), self.num_kv_heads)  # [1, kv_heads, T, D]
+        v = self._heads(self.v_proj(x), self.num_kv_heads)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rope(k, cos, sin), v
+
+    def output(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.squeeze(0).transpose(0, 1).reshape(q.shape[2], -1))  # [T, H]
