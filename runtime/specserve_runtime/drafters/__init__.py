@@ -49,6 +49,13 @@ class ProposerOptions:
     seed: int = 0
 
 
+def check_layer_ids(layer_ids: tuple[int, ...], num_target_layers: int) -> None:
+    """Taps come out of the target in layer order, so ids must be strictly increasing and in range."""
+    ids = list(layer_ids)
+    if not ids or ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= num_target_layers:
+        raise DrafterError(f"target_layer_ids {ids} must be strictly increasing within 0..{num_target_layers - 1}")
+
+
 def check_matches_target(method: str, drafter_config, target: ModelConfig) -> None:
     """A drafter reads the target's features and shares its embedding and LM head: shapes must agree."""
     problems = [

@@ -17,7 +17,7 @@ from torch import nn
 from ..kv_cache import KVCache
 from ..layers import RMSNorm, RotaryEmbedding
 from ..model import DecoderLayer, ModelConfig, Transformer
-from . import DrafterError, ProposerOptions, check_matches_target, checkpoint
+from . import DrafterError, ProposerOptions, check_layer_ids, check_matches_target, checkpoint
 
 DEFAULT_BLOCK_SIZE = 8
 # SmolLM2 has no mask token and no free embedding row. <empty_output> (id 16) is a special token
@@ -53,9 +53,7 @@ class DFlashConfig:
     def __post_init__(self):
         if self.block_size < 2:
             raise DrafterError(f"block_size must be >= 2 (the last token plus at least one mask), got {self.block_size}")
-        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
-        if bad or not self.target_layer_ids:
-            raise DrafterError(f"target_layer_ids {list(self.target_layer_ids)} not within 0..{self.num_target_layers - 1}")
+        check_layer_ids(self.target_layer_ids, self.num_target_layers)
 
     @classmethod
     def for_target(cls, target: ModelConfig, num_layers: int, block_size: int, mask_token_id: int) -> "DFlashConfig":

@@ -15,14 +15,14 @@ from torch import nn
 from ..kv_cache import KVCache
 from ..layers import MLP, Attention, RMSNorm, RotaryEmbedding, causal_mask
 from ..model import ModelConfig, Transformer
-from . import DrafterError, ProposerOptions, check_matches_target, checkpoint
+from . import DrafterError, ProposerOptions, check_layer_ids, check_matches_target, checkpoint
 
 DEFAULT_TOKENS = 4
 
 
 def feature_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
-    """Low, middle and high target layers (vLLM's EAGLE-3 choice, as 0-based layer outputs)."""
-    return (1, num_target_layers // 2 - 1, num_target_layers - 4)
+    """Low, middle and high target layers (0-based layer outputs): early, middle, and 3 from the top."""
+    return (1, (num_target_layers - 1) // 2, num_target_layers - 3)
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,9 @@ class Eagle3Config:
     vocab_size: int
     num_target_layers: int
     target_layer_ids: tuple[int, ...]
+
+    def __post_init__(self):
+        check_layer_ids(self.target_layer_ids, self.num_target_layers)
 
     @classmethod
     def for_target(cls, target: ModelConfig) -> "Eagle3Config":

@@ -1,0 +1,76 @@
+"""`specserve generate` rejects bad input with one line that names the problem, and exit status 2."""
+
+import pytest
+
+from specserve_runtime.cli import main
+from specserve_runtime.drafters.dflash import save_dflash
+
+from .test_dflash import tiny_drafter
+
+
+def error_of(capsys, *argv) -> str:
+    assert main(list(argv)) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_unknown_method(capsys):
+    assert "invalid choice: 'medusa'" in error_of(capsys, "generate", "--method", "medusa", "--prompt", "hi")
+
+
+def test_block_size_below_two(capsys):
+    message = error_of(capsys, "generate", "--method", "dflash", "--block-size", "1", "--prompt", "hi")
+    assert "--block-size must be >= 2, got 1" in message
+
+
+def test_block_size_for_another_method(capsys):
+    message = error_of(capsys, "generate", "--method", "eagle3", "--block-size", "4", "--prompt", "hi")
+    assert "--block-size applies to --method dflash only" in message
+
+
+def test_missing_prompts_file(capsys, tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    message = error_of(capsys, "generate", "--method", "ar", "--prompts-file", str(missing))
+    assert f"--prompts-file {missing}: no such file" in message
+
+
+def test_prompts_file_line_without_prompt(capsys, tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "ok"}\n{"question": "where is the prompt"}\n')
+    assert f'{path}:2: expected an object with a string "prompt" field' in error_of(
+        capsys, "generate", "--method", "ar", "--prompts-file", str(path)
+    )
+
+
+def test_prompt_and_file_are_exclusive(capsys, tmp_path):
+    message = error_of(capsys, "generate", "--method", "ar", "--prompt", "a", "--prompts-file", "x")
+    assert "not allowed with argument" in message
+
+
+def test_model_that_is_not_a_folder(capsys, tmp_path):
+    message = error_of(capsys, "generate", "--method", "ar", "--model", str(tmp_path / "absent"), "--prompt", "hi")
+    assert "is neither a folder nor a known name" in message
+
+
+def test_missing_default_model_cache_says_how_to_fix(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    message = error_of(capsys, "generate", "--method", "ar", "--prompt", "hi")
+    assert "not cached" in message and "specserve pull" in message
+
+
+def test_corrupt_default_model_cache_says_how_to_fix(capsys, tmp_path, monkeypatch):
+    folder = tmp_path / "models" / "SmolLM2-135M-Instruct"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"truncated")
+    (folder / "specserve-cache.json").write_text('{"files": {"model.safetensors": 538090408}}')
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    message = error_of(capsys, "generate", "--method", "ar", "--prompt", "hi")
+    assert "corrupt" in message and "specserve pull --force" in message
+
+
+@pytest.mark.slow
+def test_drafter_for_another_target(capsys, tmp_path, tiny_llama):
+    save_dflash(tiny_drafter(tiny_llama), tmp_path)
+    message = error_of(capsys, "generate", "--method", "dflash", "--drafter", str(tmp_path), "--prompt", "hi")
+    assert "dflash drafter does not match the target model: hidden_size 64 != target's 576" in message

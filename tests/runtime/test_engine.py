@@ -1,0 +1,188 @@
+"""The shared decode loop on a tiny target: acceptance, KV rollback, stop conditions, and exact sampling."""
+
+import pytest
+import torch
+from scipy.stats import chi2
+
+from specserve_runtime.drafters import NoDraft, ProposerOptions, build_proposer
+from specserve_runtime.engine import Engine, Request
+from specserve_runtime.verify import SamplingParams, accept
+
+from .conftest import ByteTokenizer
+
+PROMPT = [5, 17, 42, 8, 63, 21, 9]
+
+
+class OracleProposer:
+    """Drafts a known continuation, optionally corrupting one draft per step (a test double).
+
+    Unlike random drafters, it gets many drafts accepted, so every acceptance length and
+    every KV crop size is exercised.
+    """
+
+    tap_layers = ()
+
+    def __init__(self, continuation, prompt_len, k=5, corrupt_every=3, tail=()):
+        self.continuation, self.prompt_len, self.k = list(continuation) + list(tail), prompt_len, k
+        self.corrupt_every, self.calls = corrupt_every, 0
+
+    def begin(self, capacity):
+        self.calls = 0
+
+    def extend_context(self, taps):
+        pass
+
+    def propose(self, tokens, max_drafts):
+        self.calls += 1
+        done = len(tokens) - self.prompt_len
+        drafts = self.continuation[done : done + min(self.k, max_drafts)]
+        if self.corrupt_every and self.calls % self.corrupt_every == 0 and drafts:
+            position = self.calls % len(drafts)
+            drafts[position] = (drafts[position] + 1) % 96
+        return drafts
+
+
+def engine(target, proposer, eos_ids=frozenset()):
+    return Engine(target, ByteTokenizer(), proposer, set(eos_ids))
+
+
+def greedy(target, max_new_tokens=40, eos_ids=frozenset()):
+    return engine(target, NoDraft(), eos_ids).generate(Request(PROMPT, max_new_tokens))
+
+
+def test_accept_commits_the_matching_prefix_and_the_bonus_token():
+    logits = torch.full((4, 10), -10.0)
+    for row, token in enumerate([1, 2, 9, 4]):  # the target's greedy choices
+        logits[row, token] = 10.0
+    greedy_params = SamplingParams()
+    assert accept(torch.tensor([1, 2, 3]), logits, greedy_params) == [1, 2, 9]  # third draft rejected
+    assert accept(torch.tensor([7, 2, 9]), logits, greedy_params) == [1]  # first draft rejected
+    assert accept(torch.tensor([1, 2, 9]), logits, greedy_params) == [1, 2, 9, 4]  # all + bonus
+    assert accept(torch.tensor([], dtype=torch.long), logits[:1], greedy_params) == [1]  # plain decoding
+
+
+@pytest.mark.parametrize("corrupt_every", [0, 1, 2, 3])
+@pytest.mark.parametrize("k", [1, 4, 7])
+def test_oracle_drafts_are_lossless_at_every_acceptance_length(tiny_llama, k, corrupt_every):
+    reference = greedy(tiny_llama)
+    proposer = OracleProposer(reference.token_ids, len(PROMPT), k, corrupt_every)
+    result = engine(tiny_llama, proposer).generate(Request(PROMPT, 40))
+    assert result.token_ids == reference.token_ids
+    if not (k == 1 and corrupt_every == 1):  # that one corrupts its only draft every time
+        assert result.num_accepted_tokens > 0
+        assert result.target_forwards < reference.target_forwards
+    if corrupt_every == 0:  # perfect drafts: every forward commits k + 1 tokens (but the last)
+        assert result.target_forwards == -(-(40 - 1) // (k + 1))
+
+
+def test_block_straddling_eos_stops_at_eos(tiny_llama):
+    free_run = greedy(tiny_llama).token_ids
+    eos = free_run[12]
+    first = free_run.index(eos)
+    reference = greedy(tiny_llama, eos_ids={eos})
+    assert reference.token_ids == free_run[:first] and reference.finish_reason == "stop"
+    # The oracle drafts straight through the EOS token and beyond it.
+    proposer = OracleProposer(free_run, len(PROMPT), k=6, corrupt_every=0)
+    result = engine(tiny_llama, proposer, {eos}).generate(Request(PROMPT, 40))
+    assert result.token_ids == reference.token_ids
+    assert result.finish_reason == "stop"
+
+
+def test_max_new_tokens_is_never_exceeded(tiny_llama):
+    reference = greedy(tiny_llama, max_new_tokens=10)
+    proposer = OracleProposer(greedy(tiny_llama).token_ids, len(PROMPT), k=7, corrupt_every=0)
+    result = engine(tiny_llama, proposer).generate(Request(PROMPT, 10))
+    assert result.token_ids == reference.token_ids and len(result.token_ids) == 10
+    assert result.finish_reason == "length"
+
+
+def test_stop_string_ends_generation_without_emitting_text_past_it(tiny_llama):
+    free_run = greedy(tiny_llama).token_ids
+    stop = ByteTokenizer().decode(free_run[9:11])
+    proposer = OracleProposer(free_run, len(PROMPT), k=6, corrupt_every=0)
+    result = engine(tiny_llama, proposer).generate(Request(PROMPT, 40, stop=(stop,)))
+    full_text = ByteTokenizer().decode(free_run)
+    assert result.text == full_text[: full_text.index(stop)]
+    assert result.finish_reason == "stop"
+    assert len(result.token_ids) < len(free_run)
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle3", "dflash"])
+def test_random_drafters_are_lossless_on_a_tiny_target(tiny_llama, method):
+    options = ProposerOptions("random", 3 if method != "dflash" else 5, mask_token_id=95, seed=1)
+    proposer = build_proposer(method, tiny_llama, options)
+    result = engine(tiny_llama, proposer).generate(Request(PROMPT, 40))
+    assert result.token_ids == greedy(tiny_llama).token_ids
+    assert result.num_draft_tokens > 0
+
+
+def _chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test of observed counts against exact probabilities, pooling cells expected < 5 times."""
+    expected = probs * counts.sum()
+    small = expected < 5
+    observed = torch.cat([counts[~small], counts[small].sum().view(1)])
+    expected = torch.cat([expected[~small], expected[small].sum().view(1)])
+    keep = expected > 0
+    statistic = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    return float(chi2.sf(statistic, int(keep.sum()) - 1))
+
+
+def _exact_two_token_distribution(target, prompt, params) -> torch.Tensor:
+    """p(t1, t2 | prompt) at the given temperature, by enumerating t1."""
+    vocab = target.config.vocab_size
+    logits = target(torch.tensor(prompt), target.new_cache(32)).logits[-1]
+    p1 = torch.softmax(logits / params.temperature, dim=-1)
+    joint = torch.zeros(vocab, vocab)
+    for t1 in range(vocab):
+        next_logits = target(torch.tensor(prompt + [t1]), target.new_cache(32)).logits[-1]
+        joint[t1] = p1[t1] * torch.softmax(next_logits / params.temperature, dim=-1)
+    return joint
+
+
+class ArgmaxProposer(OracleProposer):
+    """Drafts the target's most likely tokens, which sampling accepts often: a strong test of rejection."""
+
+    def __init__(self, target):
+        super().__init__([], 0, k=2, corrupt_every=0)
+        self.target = target
+
+    def propose(self, tokens, max_drafts):
+        drafts = []
+        for _ in range(min(self.k, max_drafts)):
+            logits = self.target(torch.tensor(tokens + drafts), self.target.new_cache(64)).logits[-1]
+            drafts.append(int(logits.argmax()))
+        return drafts
+
+
+@pytest.mark.parametrize("proposer_name", ["argmax", "dflash"])
+def test_speculative_sampling_follows_the_target_distribution(tiny_llama, proposer_name):
+    params = SamplingParams(temperature=0.8)
+    prompt = PROMPT[:4]
+    joint = _exact_two_token_distribution(tiny_llama, prompt, params)
+    if proposer_name == "argmax":
+        proposer = ArgmaxProposer(tiny_llama)
+    else:
+        proposer = build_proposer("dflash", tiny_llama, ProposerOptions("random", 3, mask_token_id=95, seed=0))
+    spec = engine(tiny_llama, proposer)
+    counts = torch.zeros_like(joint)
+    accepted = 0
+    for seed in range(3000):
+        result = spec.generate(Request(prompt, 3, params, seed=seed))  # the 2nd comes from a verify
+        counts[result.token_ids[0], result.token_ids[1]] += 1
+        accepted += result.num_accepted_tokens
+    if proposer_name == "argmax":
+        assert accepted > 300  # drafts were really accepted, not just rejected every time
+    assert _chi_square_pvalue(counts.sum(1), joint.sum(1)) > 1e-3  # first token
+    assert _chi_square_pvalue(counts.sum(0), joint.sum(0)) > 1e-3  # second token (marginal)
+    assert _chi_square_pvalue(counts.flatten(), joint.flatten()) > 1e-3  # the pair
+
+
+def test_chi_square_check_rejects_a_biased_sampler(tiny_llama):
+    """The statistical test has power: accepting drafts without checking them would be caught."""
+    params = SamplingParams(temperature=0.8)
+    joint = _exact_two_token_distribution(tiny_llama, PROMPT[:4], params).flatten()
+    biased = joint.clone()
+    biased[joint.argmax()] += 0.05  # what an always-accept rule does: extra mass on the draft
+    biased /= biased.sum()
+    counts = torch.bincount(torch.multinomial(biased, 3000, replacement=True, generator=torch.Generator().manual_seed(0)), minlength=joint.numel())
+    assert _chi_square_pvalue(counts.float(), joint) < 1e-3

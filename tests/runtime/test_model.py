@@ -1,0 +1,85 @@
+"""The target model against transformers' own implementation, and the KV cache's rollback."""
+
+import pytest
+import torch
+
+from specserve_runtime.kv_cache import KVCache
+from specserve_runtime.layers import causal_mask
+from specserve_runtime.model import load_target
+
+from .conftest import save_tiny_hf_model
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_logits_and_taps_match_transformers(tmp_path, model_type):
+    hf = save_tiny_hf_model(tmp_path, model_type)
+    ours = load_target(tmp_path)
+    tokens = torch.randint(0, 96, (23,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(tokens[None], output_hidden_states=True)
+    out = ours(tokens, ours.new_cache(64), tap_layers=(0, 3, 5))
+    torch.testing.assert_close(out.logits, expected.logits[0], atol=1e-4, rtol=1e-4)
+    # Tap i is the output of decoder layer i, which is transformers' hidden_states[i + 1]
+    # (the last entry is after the final norm, so the last layer is compared before it).
+    hidden = expected.hidden_states
+    torch.testing.assert_close(out.taps[:, :64], hidden[1][0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.taps[:, 64:128], hidden[4][0], atol=1e-4, rtol=1e-4)
+
+
+def test_incremental_forward_matches_full_forward(tiny_llama):
+    tokens = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(2))
+    full = tiny_llama(tokens, tiny_llama.new_cache(32)).logits
+    cache = tiny_llama.new_cache(32)
+    pieces = [tiny_llama(chunk, cache).logits for chunk in (tokens[:7], tokens[7:8], tokens[8:15], tokens[15:])]
+    torch.testing.assert_close(torch.cat(pieces), full, atol=1e-5, rtol=1e-5)
+    assert cache.length == 20
+
+
+def test_crop_discards_rejected_positions(tiny_llama):
+    """After verifying a block and cropping to the accepted prefix, the next forward sees only that prefix."""
+    prefix = torch.randint(0, 96, (10,), generator=torch.Generator().manual_seed(3))
+    rejected = torch.tensor([5, 6, 7, 8])
+    follow = torch.tensor([40, 41])
+    cache = tiny_llama.new_cache(32)
+    tiny_llama(prefix, cache)
+    tiny_llama(rejected, cache)  # a block of drafts, written into the cache...
+    cache.crop(10 + 1)  # ...of which only the first was accepted
+    after_crop = tiny_llama(follow, cache).logits
+    clean = tiny_llama(torch.cat([prefix, rejected[:1], follow]), tiny_llama.new_cache(32)).logits[-2:]
+    torch.testing.assert_close(after_crop, clean, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cache_bounds():
+    cache = KVCache(num_layers=1, num_kv_heads=1, head_dim=2, capacity=4)
+    k = torch.zeros(1, 1, 3, 2)
+    cache.write(0, k, k)
+    cache.advance(3)
+    with pytest.raises(ValueError, match="overflow"):
+        cache.write(0, k, k)
+    with pytest.raises(ValueError, match="cannot crop"):
+        cache.crop(4)
+    cache.crop(1)
+    assert cache.length == 1 and cache.get(0)[0].shape == (1, 1, 1, 2)
+
+
+def test_causal_mask_offsets_queries_to_their_absolute_positions():
+    mask = causal_mask(num_queries=3, num_keys=5)  # queries at positions 2, 3, 4
+    assert mask.tolist() == [
+        [True, True, True, False, False],
+        [True, True, True, True, False],
+        [True, True, True, True, True],
+    ]
+    assert causal_mask(1, 9) is None
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
+        load_target(tmp_path)
+
+
+def test_missing_weights_are_named(tmp_path):
+    save_tiny_hf_model(tmp_path, "llama")
+    (tmp_path / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="cannot read"):
+        load_target(tmp_path)
