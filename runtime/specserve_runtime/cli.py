@@ -113,6 +113,17 @@ def cmd_export_drafter(args) -> None:
     print(f"wrote a speculators-format DFlash checkpoint to {args.out}", file=sys.stderr)
 
 
+def cmd_distill(args) -> None:
+    from .training.distill import distill
+
+    if args.batch_size < 1 or args.max_new_tokens < 1:
+        raise UsageError("--batch-size and --max-new-tokens must be >= 1")
+    distill(
+        args.out, args.prompts_file, args.split, args.model, args.max_new_tokens, args.batch_size, args.limit,
+        log=lambda message: print(message, file=sys.stderr),
+    )
+
+
 def build_parser() -> Parser:
     from .store import DEFAULT_MODEL
 
@@ -138,6 +149,16 @@ def build_parser() -> Parser:
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     gen.set_defaults(run=cmd_generate)
+
+    distill = commands.add_parser("distill", help="generate self-distilled drafter training data (resumable)")
+    distill.add_argument("--out", required=True, help="data folder (shards are skipped if present)")
+    distill.add_argument("--prompts-file", help="JSONL prompt set (default: the project's versioned set)")
+    distill.add_argument("--split", default="train", choices=["train", "eval"])
+    distill.add_argument("--model", default=DEFAULT_MODEL)
+    distill.add_argument("--max-new-tokens", type=int, default=160)
+    distill.add_argument("--batch-size", type=int, default=32)
+    distill.add_argument("--limit", type=int, help="only the first N prompts")
+    distill.set_defaults(run=cmd_distill)
 
     export = commands.add_parser("export-drafter", help="convert a z-lab layout DFlash drafter to the speculators layout")
     export.add_argument("--drafter", required=True, help="z-lab layout checkpoint folder")
