@@ -10,7 +10,7 @@ STAMP := $(VENV)/.specserve-installed
 $(STAMP): pyproject.toml tests/requirements-speculators.txt
 	test -x $(BIN)/python || python3 -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[cpu,test]'
+	$(BIN)/pip install --quiet -e '.[cpu,operator,test]'
 	$(BIN)/pip install --quiet --no-deps speculators==0.9.0
 	$(BIN)/pip install --quiet -r tests/requirements-speculators.txt
 	touch $(STAMP)

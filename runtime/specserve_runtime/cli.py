@@ -166,6 +166,10 @@ def build_parser() -> Parser:
     export.add_argument("--verifier", default="HuggingFaceTB/SmolLM2-135M-Instruct", help="target model id for vLLM")
     export.add_argument("--verifier-architectures", nargs="+", default=["LlamaForCausalLM"])
     export.set_defaults(run=cmd_export_drafter)
+
+    from specserve_operator.commands import add_commands  # torch-free: render, operator, crds, rbac
+
+    add_commands(commands)
     return parser
 
 
@@ -174,11 +178,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         args = build_parser().parse_args(argv)
-        args.run(args)
+        return args.run(args) or 0
     except (UsageError, ModelError, DrafterError, ValueError) as exc:
         print(f"specserve: error: {exc}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,311 @@
+"""The specserve.io/v1alpha1 API as typed models: the single source of truth.
+
+The CRDs in crds/ are generated from these models (crd.py). Rules that involve several
+fields are written twice on purpose: as a pydantic validator (the operator and
+`specserve render` check them) and as a CEL rule in the schema (the API server checks
+them at admission); tests run both against the same invalid resources.
+"""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP, VERSION = "specserve.io", "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+Method = Literal["none", "ngram", "eagle3", "dflash"]
+ALL_METHODS: list[Method] = ["none", "ngram", "eagle3", "dflash"]
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+MODEL_URI = r"^(hf|pvc|s3)://.+$"
+Quantity = int | str
+
+
+def cel(rule: str, message: str, field_path: str | None = None) -> dict:
+    validation = {"rule": rule, "message": message}
+    if field_path:
+        validation["fieldPath"] = field_path
+    return validation
+
+
+class Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class Toleration(Model):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] = "Equal"
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class LabelSelectorRequirement(Model):
+    key: str
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: list[str] = []
+
+
+class LabelSelector(Model):
+    match_labels: dict[str, str] = {}
+    match_expressions: list[LabelSelectorRequirement] = []
+
+
+class Accelerator(Model):
+    resource_name: str = Field("nvidia.com/gpu", min_length=1)
+    count: int = Field(1, ge=0, le=16, description="accelerators per replica")
+    price_per_hour_usd: float = Field(alias="pricePerHourUSD", ge=0, description="per accelerator")
+    node_selector: dict[str, str] = {}
+    tolerations: list[Toleration] = []
+
+
+class Kueue(Model):
+    local_queue: str | None = None
+    priority_class: str | None = None
+
+
+class ProfileLimits(Model):
+    max_replicas: int = Field(8, ge=1, le=1000, description="per SpeculativeServing, all revisions together")
+    max_hourly_cost_usd: float | None = Field(None, alias="maxHourlyCostUSD", gt=0)
+    allowed_methods: list[Method] = Field(default_factory=lambda: list(ALL_METHODS), min_length=1)
+
+
+class Slo(Model):
+    p99_inter_token_latency_ms: float | None = Field(None, gt=0)
+    p99_time_to_first_token_ms: float | None = Field(None, gt=0)
+
+
+class ServingProfileSpec(Model):
+    tenant: str = Field(pattern=DNS_LABEL, max_length=63)
+    namespace_selector: LabelSelector = LabelSelector()
+    accelerator: Accelerator
+    kueue: Kueue | None = None
+    limits: ProfileLimits = ProfileLimits()
+    slo: Slo = Slo()
+
+
+class ModelRef(Model):
+    name: str = Field(min_length=1, description="target model id as the engine knows it")
+    uri: str = Field(pattern=MODEL_URI, description="hf://, pvc://CLAIM/path or s3://bucket/path")
+    served_name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$", max_length=128)
+
+
+class Speculator(Model):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("!(self.method in ['dflash', 'eagle3']) || has(self.draftModel)", "dflash and eagle3 need a draftModel"),
+                cel("self.method != 'none' || !has(self.numSpeculativeTokens)", "method none takes no numSpeculativeTokens"),
+            ]
+        }
+    )
+    method: Method = "none"
+    draft_model: str | None = Field(None, pattern=MODEL_URI)
+    num_speculative_tokens: int | None = Field(None, ge=1, le=64, description="dflash: block size - 1")
+
+    @model_validator(mode="after")
+    def _draft_model_where_needed(self):
+        if self.method in ("dflash", "eagle3") and not self.draft_model:
+            raise ValueError(f"draftModel: required for method {self.method}")
+        if self.method == "none" and self.num_speculative_tokens is not None:
+            raise ValueError("numSpeculativeTokens: not allowed with method none")
+        return self
+
+
+class Resources(Model):
+    requests: dict[str, Quantity] = {}
+    limits: dict[str, Quantity] = {}
+
+
+class RuntimeSpec(Model):
+    engine: Literal["vllm", "embedded"] = "vllm"
+    image: str = Field("ghcr.io/specserve/runtime:0.1.0", min_length=1)
+    args: list[str] = Field([], description="extra engine arguments, passed as a list, never through a shell")
+    resources: Resources = Resources()
+
+
+class RuntimeOverride(Model):
+    """What a canary may change in the runtime; unset fields keep the stable revision's."""
+
+    engine: Literal["vllm", "embedded"] | None = None
+    image: str | None = Field(None, min_length=1)
+    args: list[str] | None = None
+    resources: Resources | None = None
+
+
+class Replicas(Model):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [cel("self.min <= self.max", "min must be <= max")]})
+    min: int = Field(1, ge=0, le=1000)
+    max: int = Field(1, ge=1, le=1000)
+    desired: int | None = Field(
+        None, ge=0, le=1000, description="replicas when autoscaling is off (default min); the /scale subresource sets it"
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if self.min > self.max:
+            raise ValueError(f"min: {self.min} must be <= max ({self.max})")
+        return self
+
+
+class Autoscaling(Model):
+    enabled: bool = False
+    objective: Literal["TokensPerDollar"] = "TokensPerDollar"
+    slo: Slo | None = Field(None, description="overrides the profile's")
+    scale_up_stabilization_seconds: int = Field(60, ge=0, le=3600)
+    scale_down_stabilization_seconds: int = Field(300, ge=0, le=3600)
+
+
+class ParentRef(Model):
+    name: str = Field(min_length=1)
+    namespace: str | None = None
+    section_name: str | None = None
+
+
+class Gateway(Model):
+    parent_refs: list[ParentRef] = Field(min_length=1)
+
+
+class Traffic(Model):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [cel("self.mode != 'GatewayAPI' || has(self.gateway)", "GatewayAPI mode needs a gateway")]
+        }
+    )
+    mode: Literal["ReplicaRatio", "GatewayAPI"] = "ReplicaRatio"
+    gateway: Gateway | None = None
+
+    @model_validator(mode="after")
+    def _gateway_when_needed(self):
+        if self.mode == "GatewayAPI" and self.gateway is None:
+            raise ValueError("gateway: required for mode GatewayAPI (parentRefs of the Gateway to attach to)")
+        return self
+
+
+class Candidate(Model):
+    speculator: Speculator
+    runtime: RuntimeOverride | None = None
+
+
+class RolloutStep(Model):
+    weight: int = Field(ge=1, le=100, description="percent of traffic to the candidate")
+    analysis_seconds: int = Field(300, ge=0, le=86400)
+
+
+class Analysis(Model):
+    interval_seconds: int = Field(60, ge=10, le=3600)
+    min_acceptance_length: float | None = Field(None, ge=1)
+    max_p99_latency_ratio: float | None = Field(None, gt=0)
+    min_tokens_per_dollar_gain: float | None = Field(None, gt=0)
+    max_error_rate: float = Field(0.01, ge=0, le=1)
+    failure_limit: int = Field(2, ge=1, le=100)
+
+
+class Rollout(Model):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.steps.map(s, s.weight).isSorted() && "
+                    "self.steps.all(s, self.steps.exists_one(t, t.weight == s.weight))",
+                    "step weights must strictly increase",
+                    ".steps",
+                )
+            ]
+        }
+    )
+    candidate: Candidate
+    steps: list[RolloutStep] = Field(min_length=1, max_length=20)
+    analysis: Analysis = Analysis()
+    auto_promote: bool = True
+
+    @model_validator(mode="after")
+    def _weights_increase(self):
+        for index in range(1, len(self.steps)):
+            if self.steps[index].weight <= self.steps[index - 1].weight:
+                raise ValueError(
+                    f"steps[{index}].weight: {self.steps[index].weight} must be greater than the previous "
+                    f"step's weight ({self.steps[index - 1].weight})"
+                )
+        return self
+
+
+class SpeculativeServingSpec(Model):
+    profile: str = Field(min_length=1, description="a ServingProfile that selects this namespace")
+    model: ModelRef
+    speculator: Speculator = Speculator()
+    runtime: RuntimeSpec = RuntimeSpec()
+    replicas: Replicas = Replicas()
+    autoscaling: Autoscaling = Autoscaling()
+    traffic: Traffic = Traffic()
+    rollout: Rollout | None = None
+
+
+# ---- status -------------------------------------------------------------------------------
+
+
+class Condition(Model):
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str = ""
+    message: str = ""
+    last_transition_time: str | None = None
+
+
+class RevisionStatus(Model):
+    revision: str
+    speculator: Speculator | None = None
+    replicas: int = 0
+    ready_replicas: int = 0
+
+
+class AnalysisResult(Model):
+    at: str
+    acceptance_length: float | None = None
+    p99_inter_token_latency_ms: float | None = None
+    tokens_per_dollar_gain: float | None = None
+    error_rate: float | None = None
+    verdict: Literal["Pass", "Fail", "Inconclusive"]
+
+
+class CanaryStatus(RevisionStatus):
+    step: int = 0
+    weight: int = 0
+    step_started_at: str | None = None
+    failed_checks: int = 0
+    last_analysis: AnalysisResult | None = None
+
+
+class MetricsStatus(Model):
+    tokens_per_second: float | None = None
+    p99_inter_token_latency_ms: float | None = None
+    p99_time_to_first_token_ms: float | None = None
+    acceptance_length: float | None = None
+    hourly_cost_usd: float | None = Field(None, alias="hourlyCostUSD")
+    tokens_per_dollar: float | None = None
+
+
+class AutoscalingStatus(Model):
+    desired_replicas: int | None = None
+    last_scale_time: str | None = None
+    reason: str = ""
+
+
+Phase = Literal["Pending", "Serving", "Progressing", "Promoting", "RollingBack", "Degraded", "Invalid"]
+
+
+class SpeculativeServingStatus(Model):
+    observed_generation: int | None = None
+    phase: Phase = "Pending"
+    conditions: list[Condition] = []
+    stable: RevisionStatus | None = None
+    canary: CanaryStatus | None = None
+    metrics: MetricsStatus | None = None
+    autoscaling: AutoscalingStatus | None = None
+    replicas: int = 0
+    selector: str = ""
+
+
+class ServingProfileStatus(Model):
+    observed_generation: int | None = None
+    conditions: list[Condition] = []

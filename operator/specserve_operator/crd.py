@@ -1,0 +1,161 @@
+"""CustomResourceDefinitions generated from the API models (api.py).
+
+Pydantic writes JSON Schema (draft 2020-12); Kubernetes wants a structural OpenAPI v3 schema:
+no $ref, no anyOf for optional fields, int-or-string as an extension, boolean
+exclusiveMinimum. `structural` converts one into the other.
+"""
+
+from pathlib import Path
+
+import yaml
+
+from . import api
+
+CRD_DIR = Path(__file__).resolve().parents[2] / "crds"
+_DROP = {"title", "$defs"}
+
+
+def structural(schema: dict, defs: dict) -> dict:
+    if "$ref" in schema:
+        return structural({**defs[schema["$ref"].rsplit("/", 1)[-1]], **{k: v for k, v in schema.items() if k != "$ref"}}, defs)
+    options = schema.get("anyOf")
+    if options:
+        non_null = [o for o in options if o.get("type") != "null"]
+        rest = {k: v for k, v in schema.items() if k != "anyOf"}
+        if {o.get("type") for o in non_null} == {"integer", "string"}:
+            return {**_clean(rest), "x-kubernetes-int-or-string": True}
+        if len(non_null) != 1:
+            raise ValueError(f"cannot express a union of {non_null} structurally")
+        return structural({**non_null[0], **rest}, defs)
+    out = {}
+    for key, value in schema.items():
+        if key in _DROP or (key == "default" and value is None):
+            continue
+        if key == "properties":
+            out[key] = {name: structural(prop, defs) for name, prop in value.items()}
+        elif key == "items" or (key == "additionalProperties" and isinstance(value, dict)):
+            out[key] = structural(value, defs)
+        elif key == "additionalProperties" and value is False:
+            continue  # structural schemas prune unknown fields by default
+        elif key in ("exclusiveMinimum", "exclusiveMaximum"):
+            out["minimum" if key == "exclusiveMinimum" else "maximum"] = value
+            out[key] = True
+        elif key == "default" and isinstance(value, dict):
+            out[key] = {}  # the API server then applies the nested fields' own defaults
+        elif key == "const":
+            out["enum"] = [value]
+        else:
+            out[key] = value
+    return out
+
+
+def _clean(schema: dict) -> dict:
+    return {k: v for k, v in schema.items() if k not in _DROP and not (k == "default" and v is None)}
+
+
+def model_schema(model: type[api.Model]) -> dict:
+    raw = model.model_json_schema(by_alias=True, mode="validation")
+    return structural(raw, raw.get("$defs", {}))
+
+
+def _crd(kind: str, plural: str, scope: str, short_names: list[str], spec, status, columns, scale: bool) -> dict:
+    version = {
+        "name": api.VERSION,
+        "served": True,
+        "storage": True,
+        "schema": {
+            "openAPIV3Schema": {
+                "type": "object",
+                "required": ["spec"],
+                "properties": {
+                    "apiVersion": {"type": "string"},
+                    "kind": {"type": "string"},
+                    "metadata": {"type": "object"},
+                    "spec": model_schema(spec),
+                    "status": model_schema(status),
+                },
+            }
+        },
+        "subresources": {"status": {}},
+        "additionalPrinterColumns": columns,
+    }
+    if scale:
+        version["subresources"]["scale"] = {
+            "specReplicasPath": ".spec.replicas.desired",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.{api.GROUP}"},
+        "spec": {
+            "group": api.GROUP,
+            "scope": scope,
+            "names": {"kind": kind, "plural": plural, "singular": kind.lower(), "shortNames": short_names, "listKind": f"{kind}List"},
+            "versions": [version],
+        },
+    }
+
+
+def column(name: str, path: str, kind: str = "string", priority: int = 0) -> dict:
+    entry = {"name": name, "type": kind, "jsonPath": path}
+    if priority:
+        entry["priority"] = priority
+    return entry
+
+
+def speculative_serving_crd() -> dict:
+    columns = [
+        column("Method", ".spec.speculator.method"),
+        column("Phase", ".status.phase"),
+        column("Canary", ".status.canary.weight", "integer"),
+        column("Ready", ".status.stable.readyReplicas", "integer"),
+        column("Tokens/$", ".status.metrics.tokensPerDollar", "number"),
+        column("Age", ".metadata.creationTimestamp", "date"),
+    ]
+    return _crd(
+        "SpeculativeServing", "speculativeservings", "Namespaced", ["specserving", "ssv"],
+        api.SpeculativeServingSpec, api.SpeculativeServingStatus, columns, scale=True,
+    )
+
+
+def serving_profile_crd() -> dict:
+    columns = [
+        column("Tenant", ".spec.tenant"),
+        column("Accelerator", ".spec.accelerator.resourceName"),
+        column("Price/h", ".spec.accelerator.pricePerHourUSD", "number"),
+        column("Max replicas", ".spec.limits.maxReplicas", "integer"),
+        column("Age", ".metadata.creationTimestamp", "date"),
+    ]
+    return _crd(
+        "ServingProfile", "servingprofiles", "Cluster", ["sprofile"],
+        api.ServingProfileSpec, api.ServingProfileStatus, columns, scale=False,
+    )
+
+
+def all_crds() -> dict[str, dict]:
+    return {
+        "specserve.io_speculativeservings.yaml": speculative_serving_crd(),
+        "specserve.io_servingprofiles.yaml": serving_profile_crd(),
+    }
+
+
+class _NoAliases(yaml.SafeDumper):
+    def ignore_aliases(self, data):
+        return True
+
+
+def render_yaml(crd: dict) -> str:
+    header = "# Generated from operator/specserve_operator/api.py by `specserve crds`; do not edit.\n"
+    return header + yaml.dump(crd, Dumper=_NoAliases, sort_keys=False)
+
+
+def write_crds(directory: Path = CRD_DIR) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, crd in all_crds().items():
+        path = directory / name
+        path.write_text(render_yaml(crd))
+        paths.append(path)
+    return paths

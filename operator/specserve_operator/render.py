@@ -1,0 +1,334 @@
+"""Pure rendering: (serving, profile, revisions) -> every child object of a SpeculativeServing.
+
+Nothing here talks to the cluster. The kopf handlers and `specserve render` call `render_all`
+and hand the result to apply.py (or print it).
+"""
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+
+from specserve_runtime.config import CONFIG_FILE, CONFIG_MOUNT, DEFAULT_PORT, RuntimeConfig
+
+from . import api
+
+PORT_NAME = "http"
+RUNTIME_UID = 10001
+MANAGED_BY = "specserve-operator"
+
+
+@dataclass(frozen=True)
+class Serving:
+    """A parsed SpeculativeServing: identity from metadata, plus the validated spec."""
+
+    name: str
+    namespace: str
+    uid: str | None
+    spec: api.SpeculativeServingSpec
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    spec: api.ServingProfileSpec
+
+
+@dataclass(frozen=True)
+class Revision:
+    role: str  # "stable" | "canary"
+    speculator: api.Speculator
+    runtime: api.RuntimeSpec
+    hash: str
+    replicas: int
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Cluster facts the operator is configured with (config.py), not taken from tenants."""
+
+    monitoring_namespace: str = "monitoring"
+    operator_namespace: str = "specserve-system"
+
+
+def revision_hash(model: api.ModelRef, speculator: api.Speculator, runtime: api.RuntimeSpec) -> str:
+    """A short hash of everything that affects the pods: a new value means new pods."""
+    pod_spec = {"model": model.model_dump(), "speculator": speculator.model_dump(), "runtime": runtime.model_dump()}
+    return hashlib.sha256(json.dumps(pod_spec, sort_keys=True).encode()).hexdigest()[:8]
+
+
+def candidate_runtime(spec: api.SpeculativeServingSpec) -> api.RuntimeSpec:
+    override = spec.rollout.candidate.runtime if spec.rollout else None
+    if override is None:
+        return spec.runtime
+    return spec.runtime.model_copy(update=override.model_dump(exclude_none=True, by_alias=False))
+
+
+def replica_budget(spec: api.SpeculativeServingSpec, profile: api.ServingProfileSpec, wanted: int | None = None) -> int:
+    """Replicas for all revisions together, within spec bounds, the profile's limit and its cost budget."""
+    replicas = spec.replicas
+    count = replicas.desired if wanted is None and replicas.desired is not None else wanted
+    count = replicas.min if count is None else count
+    ceiling = min(replicas.max, profile.limits.max_replicas)
+    cost_per_replica = profile.accelerator.count * profile.accelerator.price_per_hour_usd
+    if profile.limits.max_hourly_cost_usd is not None and cost_per_replica > 0:
+        ceiling = min(ceiling, math.floor(profile.limits.max_hourly_cost_usd / cost_per_replica))
+    return max(0, min(max(count, replicas.min), ceiling))
+
+
+def revisions(spec: api.SpeculativeServingSpec, total: int, canary_weight: int | None) -> list[Revision]:
+    """The stable revision, and the canary while a rollout runs (canary_weight set)."""
+    stable_hash = revision_hash(spec.model, spec.speculator, spec.runtime)
+    if spec.rollout is None or canary_weight is None:
+        return [Revision("stable", spec.speculator, spec.runtime, stable_hash, total)]
+    runtime = candidate_runtime(spec)
+    speculator = spec.rollout.candidate.speculator
+    # At least one replica each, so that both can be measured; split by the traffic weight.
+    canary = min(max(1, round(total * canary_weight / 100)), max(total - 1, 1))
+    return [
+        Revision("stable", spec.speculator, spec.runtime, stable_hash, max(total - canary, 1)),
+        Revision("canary", speculator, runtime, revision_hash(spec.model, speculator, runtime), canary),
+    ]
+
+
+def selector_labels(serving: Serving) -> dict[str, str]:
+    return {"specserve.io/serving": serving.name}
+
+
+def common_labels(serving: Serving, profile: Profile) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "specserve-runtime",
+        "app.kubernetes.io/instance": serving.name,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        **selector_labels(serving),
+        "specserve.io/tenant": profile.spec.tenant,
+    }
+
+
+def metadata(serving: Serving, profile: Profile, name: str, extra_labels: dict | None = None) -> dict:
+    meta = {"name": name, "namespace": serving.namespace, "labels": {**common_labels(serving, profile), **(extra_labels or {})}}
+    if serving.uid:
+        meta["ownerReferences"] = [
+            {
+                "apiVersion": api.API_VERSION,
+                "kind": "SpeculativeServing",
+                "name": serving.name,
+                "uid": serving.uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+    return meta
+
+
+def runtime_config(serving: Serving, revision: Revision) -> RuntimeConfig:
+    model, speculator = serving.spec.model, revision.speculator
+    return RuntimeConfig(
+        model=model.name,
+        model_uri=model.uri,
+        served_name=model.served_name,
+        method=speculator.method,
+        drafter=speculator.draft_model,
+        num_speculative_tokens=speculator.num_speculative_tokens,
+        engine=revision.runtime.engine,
+        engine_args=revision.runtime.args,
+        port=DEFAULT_PORT,
+    )
+
+
+def revision_name(serving: Serving, revision: Revision) -> str:
+    return f"{serving.name}-{revision.hash}"
+
+
+def config_map(serving: Serving, profile: Profile, revision: Revision) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(serving, profile, revision_name(serving, revision), {"specserve.io/revision": revision.hash}),
+        "data": {CONFIG_FILE: runtime_config(serving, revision).to_yaml()},
+    }
+
+
+def _resources(profile: Profile, runtime: api.RuntimeSpec) -> dict:
+    accelerator = profile.spec.accelerator
+    requests = {k: str(v) for k, v in runtime.resources.requests.items()}
+    limits = {k: str(v) for k, v in runtime.resources.limits.items()}
+    if accelerator.count:
+        # Extended resources must have requests == limits; the profile, not the tenant, sets them.
+        requests[accelerator.resource_name] = limits[accelerator.resource_name] = str(accelerator.count)
+    return {key: value for key, value in (("requests", requests), ("limits", limits)) if value}
+
+
+def deployment(serving: Serving, profile: Profile, revision: Revision) -> dict:
+    name = revision_name(serving, revision)
+    pod_labels = {
+        **common_labels(serving, profile),
+        "specserve.io/revision": revision.hash,
+        "specserve.io/role": revision.role,
+    }
+    kueue = profile.spec.kueue
+    if kueue and kueue.local_queue:
+        pod_labels["kueue.x-k8s.io/queue-name"] = kueue.local_queue
+    if kueue and kueue.priority_class:
+        pod_labels["kueue.x-k8s.io/priority-class"] = kueue.priority_class
+    accelerator = profile.spec.accelerator
+    probe = {"httpGet": {"path": "/health", "port": PORT_NAME}, "periodSeconds": 10, "timeoutSeconds": 5}
+    container = {
+        "name": "runtime",
+        "image": revision.runtime.image,
+        "args": ["launch", "--config", f"{CONFIG_MOUNT}/{CONFIG_FILE}"],
+        "ports": [{"name": PORT_NAME, "containerPort": DEFAULT_PORT, "protocol": "TCP"}],
+        "env": [
+            {"name": "SPECSERVE_CACHE", "value": "/cache"},
+            {"name": "HF_HOME", "value": "/cache/huggingface"},
+        ],
+        "resources": _resources(profile, revision.runtime),
+        # Model downloads and compilation can take many minutes: the startup probe allows 30.
+        "startupProbe": {**probe, "failureThreshold": 180},
+        "livenessProbe": {**probe, "failureThreshold": 3},
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": PORT_NAME}, "periodSeconds": 5, "failureThreshold": 2},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": [
+            {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+            {"name": "cache", "mountPath": "/cache"},
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "shm", "mountPath": "/dev/shm"},
+        ],
+    }
+    pod_spec = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUNTIME_UID,
+            "runAsGroup": RUNTIME_UID,
+            "fsGroup": RUNTIME_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "terminationGracePeriodSeconds": 60,
+        "containers": [container],
+        "volumes": [
+            {"name": "config", "configMap": {"name": name}},
+            {"name": "cache", "emptyDir": {}},
+            {"name": "tmp", "emptyDir": {}},
+            {"name": "shm", "emptyDir": {"medium": "Memory"}},
+        ],
+    }
+    if accelerator.node_selector:
+        pod_spec["nodeSelector"] = dict(accelerator.node_selector)
+    if accelerator.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in accelerator.tolerations]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(serving, profile, name, {"specserve.io/revision": revision.hash, "specserve.io/role": revision.role}),
+        "spec": {
+            "replicas": revision.replicas,
+            "selector": {"matchLabels": {**selector_labels(serving), "specserve.io/revision": revision.hash}},
+            # Surge first, never go below the ready count: updates do not drop capacity.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {
+                "metadata": {
+                    "labels": pod_labels,
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(DEFAULT_PORT),
+                        "prometheus.io/path": "/metrics",
+                    },
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def service(serving: Serving, profile: Profile, name: str, selector: dict) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(serving, profile, name),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector,
+            "ports": [{"name": PORT_NAME, "port": DEFAULT_PORT, "targetPort": PORT_NAME, "protocol": "TCP"}],
+        },
+    }
+
+
+def services(serving: Serving, profile: Profile) -> list[dict]:
+    """<name> reaches every ready pod; <name>-stable / -canary select by role, not by revision, so that
+    during a plain update the old and the new stable pods both serve until the old ones are removed."""
+    out = [service(serving, profile, serving.name, selector_labels(serving))]
+    for role in ("stable", "canary"):
+        selector = {**selector_labels(serving), "specserve.io/role": role}
+        out.append(service(serving, profile, f"{serving.name}-{role}", selector))
+    return out
+
+
+def http_route(serving: Serving, profile: Profile, canary_weight: int | None) -> dict:
+    gateway = serving.spec.traffic.gateway
+    weight = canary_weight or 0
+    backends = [{"name": f"{serving.name}-stable", "port": DEFAULT_PORT, "weight": 100 - weight}]
+    if weight:
+        backends.append({"name": f"{serving.name}-canary", "port": DEFAULT_PORT, "weight": weight})
+    return {
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "HTTPRoute",
+        "metadata": metadata(serving, profile, serving.name),
+        "spec": {
+            "parentRefs": [p.model_dump(by_alias=True, exclude_none=True) for p in gateway.parent_refs],
+            "rules": [{"matches": [{"path": {"type": "PathPrefix", "value": "/v1"}}], "backendRefs": backends}],
+        },
+    }
+
+
+def pod_disruption_budget(serving: Serving, profile: Profile) -> dict:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": metadata(serving, profile, serving.name),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(serving)}},
+    }
+
+
+def network_policy(serving: Serving, profile: Profile, settings: Settings) -> dict:
+    """Ingress only from the tenant's own namespace, the gateways', monitoring and the operator."""
+    namespaces = {serving.namespace, settings.monitoring_namespace, settings.operator_namespace}
+    if serving.spec.traffic.gateway:
+        namespaces |= {p.namespace or serving.namespace for p in serving.spec.traffic.gateway.parent_refs}
+    peers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}} for ns in sorted(namespaces)]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata(serving, profile, serving.name),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(serving)},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": peers, "ports": [{"protocol": "TCP", "port": DEFAULT_PORT}]}],
+        },
+    }
+
+
+def render_all(
+    serving: Serving,
+    profile: Profile,
+    settings: Settings = Settings(),
+    canary_weight: int | None = None,
+    wanted_replicas: int | None = None,
+) -> list[dict]:
+    """Every child object. `canary_weight` is the rollout's current weight (None: no canary running)."""
+    spec = serving.spec
+    revs = revisions(spec, replica_budget(spec, profile.spec, wanted_replicas), canary_weight)
+    objects = []
+    for revision in revs:
+        objects += [config_map(serving, profile, revision), deployment(serving, profile, revision)]
+    objects += services(serving, profile)
+    if spec.traffic.mode == "GatewayAPI":
+        objects.append(http_route(serving, profile, canary_weight if len(revs) > 1 else None))
+    objects += [pod_disruption_budget(serving, profile), network_policy(serving, profile, settings)]
+    return objects

@@ -1,0 +1,103 @@
+"""Validation of SpeculativeServings and ServingProfiles: every problem as 'field.path: message'."""
+
+import re
+
+from pydantic import ValidationError
+
+from . import api
+from .render import Profile, Serving
+
+_SUBPATH = re.compile(r"^(?:Value error, )?([A-Za-z][\w.\[\]]*): (.*)$", re.S)
+
+
+def field_path(prefix: str, loc: tuple) -> str:
+    path = prefix
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return path
+
+
+def pydantic_problems(prefix: str, error: ValidationError) -> list[str]:
+    problems = []
+    for item in error.errors():
+        path, message = field_path(prefix, item["loc"]), item["msg"]
+        nested = _SUBPATH.match(message)
+        if nested and item["type"] == "value_error":  # a model validator naming a field below it
+            path, message = f"{path}.{nested.group(1)}", nested.group(2)
+        problems.append(f"{path}: {message.removeprefix('Value error, ')}")
+    return problems
+
+
+def parse_serving(obj: dict) -> tuple[Serving | None, list[str]]:
+    meta = obj.get("metadata") or {}
+    problems = []
+    if not meta.get("name"):
+        problems.append("metadata.name: required")
+    try:
+        spec = api.SpeculativeServingSpec.model_validate(obj.get("spec") or {})
+    except ValidationError as exc:
+        return None, problems + pydantic_problems("spec", exc)
+    if problems:
+        return None, problems
+    return Serving(meta["name"], meta.get("namespace") or "default", meta.get("uid"), spec), []
+
+
+def parse_profile(obj: dict) -> tuple[Profile | None, list[str]]:
+    name = (obj.get("metadata") or {}).get("name")
+    try:
+        spec = api.ServingProfileSpec.model_validate(obj.get("spec") or {})
+    except ValidationError as exc:
+        return None, pydantic_problems("spec", exc)
+    if not name:
+        return None, ["metadata.name: required"]
+    return Profile(name, spec), []
+
+
+def selects(selector: api.LabelSelector, labels: dict[str, str]) -> bool:
+    if any(labels.get(k) != v for k, v in selector.match_labels.items()):
+        return False
+    for requirement in selector.match_expressions:
+        present, value = requirement.key in labels, labels.get(requirement.key)
+        ok = {
+            "In": present and value in requirement.values,
+            "NotIn": not present or value not in requirement.values,
+            "Exists": present,
+            "DoesNotExist": not present,
+        }[requirement.operator]
+        if not ok:
+            return False
+    return True
+
+
+def check_against_profile(serving: Serving, profile: Profile | None, namespace_labels: dict[str, str] | None) -> list[str]:
+    """The tenant's request against what the platform team's profile allows."""
+    spec = serving.spec
+    if profile is None:
+        return [f"spec.profile: ServingProfile {spec.profile!r} not found"]
+    limits = profile.spec.limits
+    problems = []
+    if namespace_labels is None:
+        problems.append(f"metadata.namespace: namespace {serving.namespace!r} not found")
+    elif not selects(profile.spec.namespace_selector, namespace_labels):
+        problems.append(f"spec.profile: ServingProfile {profile.name!r} does not select namespace {serving.namespace!r}")
+    methods = [("spec.speculator.method", spec.speculator.method)]
+    if spec.rollout:
+        methods.append(("spec.rollout.candidate.speculator.method", spec.rollout.candidate.speculator.method))
+    for path, method in methods:
+        if method not in limits.allowed_methods:
+            problems.append(
+                f"{path}: method {method} is not allowed by ServingProfile {profile.name!r} "
+                f"(allowed: {', '.join(limits.allowed_methods)})"
+            )
+    if spec.replicas.max > limits.max_replicas:
+        problems.append(
+            f"spec.replicas.max: {spec.replicas.max} exceeds ServingProfile {profile.name!r} limits.maxReplicas "
+            f"({limits.max_replicas})"
+        )
+    cost = spec.replicas.min * profile.spec.accelerator.count * profile.spec.accelerator.price_per_hour_usd
+    if limits.max_hourly_cost_usd is not None and cost > limits.max_hourly_cost_usd:
+        problems.append(
+            f"spec.replicas.min: {spec.replicas.min} replicas cost ${cost:.2f}/h, above ServingProfile "
+            f"{profile.name!r} limits.maxHourlyCostUSD (${limits.max_hourly_cost_usd:.2f}/h)"
+        )
+    return problems

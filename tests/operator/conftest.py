@@ -1,0 +1,161 @@
+"""Fixtures: example resources, and the operator running in the test's loop against KMock."""
+
+import asyncio
+import contextlib
+import os
+import copy
+import logging
+
+# Resync often in tests: the timer is what notices Deployments becoming ready.
+os.environ.setdefault("SPECSERVE_RESYNC_SECONDS", "0.3")
+
+import kmock  # noqa: E402
+import kopf  # noqa: E402
+import pytest
+import yaml
+from kubernetes import client as k8s
+
+EXAMPLE = "docs/examples/team-a.yaml"
+
+NAMESPACE = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "team-a", "labels": {"specserve.io/tenant": "team-a"}}}
+PROFILE = {
+    "apiVersion": "specserve.io/v1alpha1",
+    "kind": "ServingProfile",
+    "metadata": {"name": "team-a-h100"},
+    "spec": {
+        "tenant": "team-a",
+        "namespaceSelector": {"matchLabels": {"specserve.io/tenant": "team-a"}},
+        "accelerator": {"resourceName": "nvidia.com/gpu", "count": 1, "pricePerHourUSD": 2.5},
+        "limits": {"maxReplicas": 4, "allowedMethods": ["none", "ngram", "eagle3", "dflash"]},
+    },
+}
+SERVING = {
+    "apiVersion": "specserve.io/v1alpha1",
+    "kind": "SpeculativeServing",
+    "metadata": {"name": "qwen3-8b", "namespace": "team-a"},
+    "spec": {
+        "profile": "team-a-h100",
+        "model": {"name": "Qwen/Qwen3-8B", "uri": "hf://Qwen/Qwen3-8B", "servedName": "qwen3-8b"},
+        "speculator": {"method": "eagle3", "draftModel": "hf://RedHatAI/Qwen3-8B-speculator.eagle3", "numSpeculativeTokens": 7},
+        "replicas": {"min": 2, "max": 4},
+    },
+}
+
+
+@pytest.fixture
+def example_documents():
+    with open(EXAMPLE) as f:
+        return [d for d in yaml.safe_load_all(f) if d]
+
+
+@pytest.fixture
+def serving():
+    return copy.deepcopy(SERVING)
+
+
+@pytest.fixture
+def profile():
+    return copy.deepcopy(PROFILE)
+
+
+SERVINGS_RESOURCE = "specserve.io/v1alpha1/speculativeservings"
+PROFILES_RESOURCE = "specserve.io/v1alpha1/servingprofiles"
+
+
+@pytest.fixture
+def emulator(kmock, tmp_path, monkeypatch):
+    """KMock with the built-in kinds, our CRDs, the Gateway API route, and a kubeconfig pointing at it."""
+    kmock.resources.load_bundled()
+    verbs = {"list", "watch", "get", "patch", "create", "delete"}
+    kmock.resources[SERVINGS_RESOURCE] = kmock_info("SpeculativeServing", True, verbs, {"status"})
+    kmock.resources[PROFILES_RESOURCE] = kmock_info("ServingProfile", False, verbs, {"status"})
+    kmock.resources["gateway.networking.k8s.io/v1/httproutes"] = kmock_info("HTTPRoute", True, verbs, set())
+    # KMock 0.8 parses /api/v1/namespaces/<name> as a namespace prefix, not as a Namespace: serve it directly.
+    kmock["get /api/v1/namespaces/team-a"] << NAMESPACE
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "kmock", "cluster": {"server": str(kmock.url).rstrip("/")}}],
+                "users": [{"name": "test", "user": {"token": "test-token"}}],
+                "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "test"}}],
+                "current-context": "kmock",
+            }
+        )
+    )
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    return kmock
+
+
+def kmock_info(kind, namespaced, verbs, subresources):
+    return kmock.ResourceInfo(kind=kind, namespaced=namespaced, verbs=verbs, subresources=subresources)
+
+
+def cluster_client(emulator):
+    """Our own API client (apply.py's), configured from the test kubeconfig."""
+    from kubernetes import config as k8s_config
+
+    from specserve_operator.apply import Cluster
+
+    configuration = k8s.Configuration()
+    configuration.retries = 0  # fail fast once a test's emulator is gone
+    k8s_config.load_kube_config(config_file=os.environ["KUBECONFIG"], client_configuration=configuration)
+    configuration.retries = 0
+    return Cluster(k8s.ApiClient(configuration))
+
+
+_CURRENT_SERVER: dict[str, str] = {}
+
+
+@kopf.on.login()
+def login_to_kmock(**_):
+    """kopf's built-in login reads the kubeconfig path fixed at import time; point it at this test's KMock."""
+    return kopf.ConnectionInfo(server=_CURRENT_SERVER["url"], token="test-token", insecure=True)
+
+
+@contextlib.asynccontextmanager
+async def running_operator(emulator):
+    """The real kopf operator (our handlers) in the test's event loop, stopped on exit."""
+    import specserve_operator.main  # noqa: F401  (registers the handlers)
+
+    _CURRENT_SERVER["url"] = str(emulator.url).rstrip("/")
+    stop, ready = asyncio.Event(), asyncio.Event()
+    settings = kopf.OperatorSettings()
+    settings.networking.request_timeout = 5
+    logging.getLogger("kopf").setLevel(logging.WARNING)
+    task = asyncio.create_task(
+        kopf.operator(
+            standalone=True, clusterwide=True, stop_flag=stop, ready_flag=ready,
+            memo=kopf.Memo(cluster=cluster_client(emulator)), settings=settings,
+        )
+    )
+    await asyncio.wait_for(ready.wait(), 10)
+    try:
+        yield emulator
+    finally:
+        stop.set()
+        with contextlib.suppress(asyncio.CancelledError):  # kopf ends its root task by cancelling it
+            await asyncio.wait_for(task, 20)
+
+
+@pytest.fixture
+async def operator(emulator):
+    async with running_operator(emulator):
+        yield emulator
+
+
+async def eventually(check, timeout=10.0, interval=0.05):
+    """Wait until check() returns a truthy value (the operator works asynchronously)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            result = check()
+            if result:
+                return result
+        except (KeyError, AssertionError, TypeError):
+            pass
+        if asyncio.get_running_loop().time() > deadline:
+            return check()
+        await asyncio.sleep(interval)

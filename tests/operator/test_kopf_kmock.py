@@ -1,0 +1,157 @@
+"""The real operator (kopf + our handlers) against KMock, the Kubernetes API emulator."""
+
+import asyncio
+import uuid
+
+import pytest
+
+from .conftest import SERVINGS_RESOURCE, cluster_client, eventually, running_operator
+
+
+DEPLOYMENTS = "apps/v1/deployments"
+
+
+def with_uid(obj):
+    """KMock assigns no uid; a real API server does, and owner references need it."""
+    obj["metadata"]["uid"] = str(uuid.uuid4())
+    return obj
+
+
+async def create(emulator, obj):
+    """POST like a user would. KMock keeps no resourceVersion; kopf's optimistic patches test for one."""
+    obj["metadata"].setdefault("resourceVersion", "1")
+    client = cluster_client(emulator)
+    await asyncio.to_thread(client._call, "POST", client._path(obj["apiVersion"], obj["kind"], obj["metadata"].get("namespace")), obj)
+
+
+async def merge_patch(emulator, obj, patch):
+    client = cluster_client(emulator)
+    meta = obj["metadata"]
+    path = client._path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
+    await asyncio.to_thread(client._call, "PATCH", path, patch, None, "application/merge-patch+json")
+
+
+def live(emulator, resource):
+    """Names of the objects of a resource ('apps/v1/deployments') that currently exist."""
+    return sorted(key[2] for key, obj in emulator.objects.items() if resource_path(key[0]) == resource and not obj.deleted)
+
+
+def resource_path(res) -> str:
+    return f"{res.group + '/' if res.group else ''}{res.version}/{res.plural}"
+
+
+def status_of(emulator, name="qwen3-8b"):
+    return emulator.objects[SERVINGS_RESOURCE, "team-a", name].get("status") or {}
+
+
+async def test_create_renders_children_with_owner_references_and_status(operator, serving, profile):
+    await create(operator, profile)
+    await create(operator, with_uid(serving))
+    await eventually(lambda: status_of(operator).get("phase") == "Pending")
+    deployments = live(operator, DEPLOYMENTS)
+    assert len(deployments) == 1 and deployments[0].startswith("qwen3-8b-")
+    assert live(operator, "v1/services") == ["qwen3-8b", "qwen3-8b-canary", "qwen3-8b-stable"]
+    assert live(operator, "v1/configmaps") == deployments
+    assert live(operator, "policy/v1/poddisruptionbudgets") == ["qwen3-8b"]
+    assert live(operator, "networking.k8s.io/v1/networkpolicies") == ["qwen3-8b"]
+    deployment = operator.objects[DEPLOYMENTS, "team-a", deployments[0]]
+    owner = deployment["metadata"]["ownerReferences"][0]
+    assert owner["kind"] == "SpeculativeServing" and owner["uid"] == serving["metadata"]["uid"]
+    status = status_of(operator)
+    assert status["stable"]["revision"] == deployments[0].removeprefix("qwen3-8b-")
+    assert status["replicas"] == 2 and status["selector"] == "specserve.io/serving=qwen3-8b"
+    conditions = {c["type"]: c["status"] for c in status["conditions"]}
+    assert conditions == {"SpecValid": "True", "Ready": "False", "Progressing": "True", "BudgetLimited": "False"}
+
+
+def requests_to(emulator, method, resource):
+    return [r for r in emulator if r.method.value == method and r.resource is not None and resource_path(r.resource) == resource]
+
+
+async def set_ready(emulator, name, replicas):
+    """Stand in for the Deployment controller, which KMock does not run."""
+    deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": "team-a"}}
+    await merge_patch(emulator, deployment, {"status": {"readyReplicas": replicas, "replicas": replicas}})
+
+
+async def test_spec_change_rolls_a_new_revision_and_removes_the_old_once_ready(operator, serving, profile):
+    await create(operator, profile)
+    await create(operator, with_uid(serving))
+    first = (await eventually(lambda: live(operator, DEPLOYMENTS)))[0]
+    await set_ready(operator, first, 2)
+    await eventually(lambda: status_of(operator).get("phase") == "Serving")
+
+    await merge_patch(operator, serving, {"spec": {"speculator": {"method": "ngram", "draftModel": None, "numSpeculativeTokens": 4}}})
+    both = await eventually(lambda: len(live(operator, DEPLOYMENTS)) == 2 and live(operator, DEPLOYMENTS))
+    second = next(name for name in both if name != first)
+    await asyncio.sleep(1.0)  # several resyncs: the old revision keeps serving while the new is not ready
+    assert first in live(operator, DEPLOYMENTS)
+    assert status_of(operator)["stable"]["revision"] == second.removeprefix("qwen3-8b-")
+
+    await set_ready(operator, second, 2)
+    assert await eventually(lambda: live(operator, DEPLOYMENTS) == [second])
+    assert await eventually(lambda: live(operator, "v1/configmaps") == [second])
+    assert await eventually(lambda: status_of(operator).get("phase") == "Serving")
+
+
+async def test_invalid_resource_is_reported_and_creates_nothing(operator, serving, profile):
+    await create(operator, profile)
+    serving["spec"]["replicas"] = {"min": 1, "max": 9}  # above the profile's maxReplicas (4)
+    serving["spec"]["speculator"] = {"method": "dflash"}  # no draftModel
+    await create(operator, with_uid(serving))
+    status = await eventually(lambda: status_of(operator).get("phase") == "Invalid" and status_of(operator))
+    condition = next(c for c in status["conditions"] if c["type"] == "SpecValid")
+    assert condition["status"] == "False" and "spec.speculator.draftModel: required for method dflash" in condition["message"]
+    assert live(operator, DEPLOYMENTS) == [] and live(operator, "v1/services") == []
+    events = [key for key, obj in operator.objects.items() if key[0].plural == "events" and "InvalidSpec" in str(obj.last.raw)]
+    assert events, "a Warning event names the problem"
+
+
+async def test_invalid_update_leaves_what_serves_untouched(operator, serving, profile):
+    await create(operator, profile)
+    await create(operator, with_uid(serving))
+    deployment = (await eventually(lambda: live(operator, DEPLOYMENTS)))[0]
+    versions_before = len(operator.objects[DEPLOYMENTS, "team-a", deployment].history)
+    await merge_patch(operator, serving, {"spec": {"replicas": {"min": 5, "max": 2}}})
+    status = await eventually(lambda: status_of(operator).get("phase") == "Invalid" and status_of(operator))
+    assert "spec.replicas.min: 5 must be <= max (2)" in str(status["conditions"])
+    await asyncio.sleep(0.8)
+    assert live(operator, DEPLOYMENTS) == [deployment]
+    assert len(operator.objects[DEPLOYMENTS, "team-a", deployment].history) == versions_before
+
+
+async def test_profile_change_re_renders_its_servings(operator, serving, profile):
+    await create(operator, profile)
+    await create(operator, with_uid(serving))
+    name = (await eventually(lambda: live(operator, DEPLOYMENTS)))[0]
+    await merge_patch(operator, profile, {"spec": {"accelerator": {"nodeSelector": {"gpu": "h200"}, "count": 2}}})
+
+    def pod_spec():
+        return operator.objects[DEPLOYMENTS, "team-a", name]["spec"]["template"]["spec"]
+
+    assert await eventually(lambda: pod_spec().get("nodeSelector") == {"gpu": "h200"})
+    assert pod_spec()["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
+
+
+async def test_operator_restart_creates_no_duplicates(emulator, serving, profile):
+    async with running_operator(emulator):
+        await create(emulator, profile)
+        await create(emulator, with_uid(serving))
+        await eventually(lambda: status_of(emulator).get("phase") == "Pending")
+    children_before = {k: live(emulator, k) for k in (DEPLOYMENTS, "v1/services", "v1/configmaps")}
+    posts_before = len(requests_to(emulator, "POST", DEPLOYMENTS))
+    async with running_operator(emulator):  # resumes the existing serving
+        await asyncio.sleep(1.0)
+    assert {k: live(emulator, k) for k in children_before} == children_before
+    assert len(requests_to(emulator, "POST", DEPLOYMENTS)) == posts_before == 1
+    assert requests_to(emulator, "PATCH", DEPLOYMENTS) == []  # nothing changed, so nothing was patched
+
+
+async def test_delete_cleans_up_every_child(operator, serving, profile):
+    await create(operator, profile)
+    await create(operator, with_uid(serving))
+    await eventually(lambda: live(operator, DEPLOYMENTS))
+    client = cluster_client(operator)
+    await asyncio.to_thread(client.delete, "specserve.io/v1alpha1", "SpeculativeServing", "team-a", "qwen3-8b")
+    for resource in (DEPLOYMENTS, "v1/services", "v1/configmaps", "policy/v1/poddisruptionbudgets", "networking.k8s.io/v1/networkpolicies"):
+        assert await eventually(lambda: live(operator, resource) == []), resource
