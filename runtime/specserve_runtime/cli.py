@@ -124,6 +124,24 @@ def cmd_distill(args) -> None:
     )
 
 
+def cmd_train_drafter(args) -> None:
+    from .loader import load_model
+    from .store import cache_root
+    from .training.train import TrainConfig, train
+
+    data = args.data or str(cache_root() / "data" / "distill-v1")
+    eval_data = args.eval_data or str(cache_root() / "data" / "distill-v1-eval")
+    for flag, folder in (("--data", data), ("--eval-data", eval_data)):
+        if not Path(folder).is_dir():
+            raise UsageError(f"{flag} {folder}: no such folder (run `specserve distill` first)")
+    settings = {k: getattr(args, k) for k in ("steps", "lr", "seed", "block_size", "num_layers", "anchors", "gamma", "depth",
+                                              "eval_every", "checkpoint_every") if getattr(args, k) is not None}
+    config = TrainConfig(method=args.method, data=data, eval_data=eval_data, out=args.out, **settings)
+    model = load_model(args.model)
+    summary = train(config, model.target, model.mask_token_id(), log=lambda message: print(message, file=sys.stderr))
+    print(json.dumps(summary["history"][-1] if summary["history"] else {}))
+
+
 def build_parser() -> Parser:
     from .store import DEFAULT_MODEL
 
@@ -159,6 +177,18 @@ def build_parser() -> Parser:
     distill.add_argument("--batch-size", type=int, default=32)
     distill.add_argument("--limit", type=int, help="only the first N prompts")
     distill.set_defaults(run=cmd_distill)
+
+    trainer = commands.add_parser("train-drafter", help="train a DFlash or EAGLE-3 drafter on distilled data (resumable)")
+    trainer.add_argument("--method", required=True, choices=["dflash", "eagle3"])
+    trainer.add_argument("--out", required=True, help="run folder: checkpoints, training.json, drafter/")
+    trainer.add_argument("--model", default=DEFAULT_MODEL)
+    trainer.add_argument("--data", help="distilled training data (default: the cache's distill-v1)")
+    trainer.add_argument("--eval-data", help="distilled held-out data (default: the cache's distill-v1-eval)")
+    for flag, kind in (("--steps", int), ("--lr", float), ("--seed", int), ("--block-size", int), ("--num-layers", int),
+                       ("--anchors", int), ("--gamma", float), ("--depth", int), ("--eval-every", int),
+                       ("--checkpoint-every", int)):
+        trainer.add_argument(flag, type=kind)
+    trainer.set_defaults(run=cmd_train_drafter)
 
     export = commands.add_parser("export-drafter", help="convert a z-lab layout DFlash drafter to the speculators layout")
     export.add_argument("--drafter", required=True, help="z-lab layout checkpoint folder")

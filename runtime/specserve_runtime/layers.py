@@ -137,5 +137,8 @@ class Attention(nn.Module):
         return apply_rope(k, cos, sin), v
 
     def output(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        return self.o_proj(out.squeeze(0).transpose(0, 1).reshape(q.shape[2], -1))  # [T, H]
+        return self.project_out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))
+
+    def project_out(self, attended: torch.Tensor) -> torch.Tensor:
+        """Attended values [1, heads, T, D] -> [T, H]."""
+        return self.o_proj(attended.squeeze(0).transpose(0, 1).reshape(attended.shape[2], -1))

@@ -56,7 +56,9 @@ class DFlashConfig:
         check_layer_ids(self.target_layer_ids, self.num_target_layers)
 
     @classmethod
-    def for_target(cls, target: ModelConfig, num_layers: int, block_size: int, mask_token_id: int) -> "DFlashConfig":
+    def for_target(
+        cls, target: ModelConfig, num_layers: int, block_size: int, mask_token_id: int, num_taps: int | None = None
+    ) -> "DFlashConfig":
         return cls(
             hidden_size=target.hidden_size,
             intermediate_size=target.intermediate_size,
@@ -70,7 +72,7 @@ class DFlashConfig:
             max_position_embeddings=target.max_position_embeddings,
             block_size=block_size,
             num_target_layers=target.num_hidden_layers,
-            target_layer_ids=tuple(target_layer_ids(target.num_hidden_layers, num_layers)),
+            target_layer_ids=tuple(target_layer_ids(target.num_hidden_layers, num_taps or num_layers)),
             mask_token_id=mask_token_id,
         )
 
@@ -152,13 +154,14 @@ class DFlashConfig:
 
 
 class DFlashLayer(DecoderLayer):
-    def forward(self, x, cos, sin, context_k, context_v):
+    def forward(self, x, cos, sin, context_k, context_v, mask=None):
         h = self.input_layernorm(x)
         q = self.self_attn.query(h, cos, sin)
         k, v = self.self_attn.key_value(h, cos, sin)
-        # Keys/values are [context ; block]. No mask: the block sees all context and itself.
+        # Keys/values are [context ; block]. No causal mask: the block sees all context and itself.
+        # (Training packs many blocks into one forward; its mask keeps each block to its own view.)
         k, v = torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2)
-        x = x + self.self_attn.output(q, k, v, None)
+        x = x + self.self_attn.output(q, k, v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -180,12 +183,12 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary(positions)
         return [layer.self_attn.key_value(context, cos, sin) for layer in self.layers]
 
-    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, context_kv) -> torch.Tensor:
+    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, context_kv, mask=None) -> torch.Tensor:
         """Block embeddings [B, H] at positions [B] -> normalised hidden states [B, H] for the LM head."""
         cos, sin = self.rotary(positions)
         x = block_embeds
         for layer, (context_k, context_v) in zip(self.layers, context_kv):
-            x = layer(x, cos, sin, context_k, context_v)
+            x = layer(x, cos, sin, context_k, context_v, mask)
         return self.norm(x)
 
 

@@ -83,12 +83,18 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.mlp = MLP(h, cfg.intermediate_size)
 
+    def fuse(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(features)], dim=-1)  # [T, 2H]
+
+    def finish(self, features: torch.Tensor, attention_out: torch.Tensor) -> torch.Tensor:
+        h = features + attention_out  # the residual stream is the feature's, not the embedding's
+        return h + self.mlp(self.post_attention_layernorm(h))
+
     def forward(self, embeds, features, cos, sin, cache: KVCache, mask):
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(features)], dim=-1)
+        x = self.fuse(embeds, features)
         q = self.self_attn.query(x, cos, sin)
         k, v = cache.write(0, *self.self_attn.key_value(x, cos, sin))
-        h = features + self.self_attn.output(q, k, v, mask)  # the residual stream is the feature's
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return self.finish(features, self.self_attn.output(q, k, v, mask))
 
 
 class Eagle3Drafter(nn.Module):

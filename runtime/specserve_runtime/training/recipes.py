@@ -1,0 +1,149 @@
+"""The two drafter training recipes, as loss functions over one distilled sequence.
+
+Both read the same data: the sequence's tokens (prompt + the target's own response) and the
+target's tapped hidden states at every position. Both also return a teacher-forced
+acceptance estimate: the data is the target's greedy output, so a draft is accepted exactly
+when it equals the next data token, and the accepted-prefix length per drafting position is
+what the engine would measure at that position.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..drafters.dflash import DFlashDrafter
+from ..drafters.eagle3 import Eagle3Drafter
+from ..model import Transformer
+
+
+def sample_anchors(response_start: int, length: int, count: int, generator: torch.Generator) -> torch.Tensor:
+    """Up to `count` distinct, sorted anchor positions inside the response, each with a next token."""
+    candidates = torch.arange(response_start, length - 1)
+    if candidates.numel() == 0:
+        return candidates
+    chosen = torch.randperm(candidates.numel(), generator=generator)[:count]
+    return candidates[chosen].sort().values
+
+
+def block_mask(anchors: torch.Tensor, context_length: int, block_size: int) -> torch.Tensor:
+    """[N*B, S + N*B] boolean: block j sees context positions < anchors[j], and its own B slots."""
+    num_blocks = anchors.numel()
+    block_of_query = torch.arange(num_blocks).repeat_interleave(block_size)  # [N*B]
+    sees_context = torch.arange(context_length)[None, :] < anchors[block_of_query][:, None]  # [N*B, S]
+    sees_block = block_of_query[:, None] == block_of_query[None, :]  # [N*B, N*B]
+    return torch.cat([sees_context, sees_block], dim=1)
+
+
+def position_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """Slot k (1..B-1) weighs exp(-(k-1)/gamma): early slots decide acceptance, so they count most."""
+    return torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / gamma)
+
+
+def accepted_prefix(correct: torch.Tensor) -> torch.Tensor:
+    """[..., K] booleans -> number of leading Trues."""
+    return correct.int().cumprod(dim=-1).sum(dim=-1)
+
+
+def dflash_loss(
+    drafter: DFlashDrafter,
+    target: Transformer,
+    tokens: torch.Tensor,  # [S]
+    taps: torch.Tensor,  # [S, L*H]
+    response_start: int,
+    num_anchors: int,
+    gamma: float,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, dict]:
+    cfg = drafter.config
+    length, size = tokens.shape[0], cfg.block_size
+    anchors = sample_anchors(response_start, length, num_anchors, generator)  # [N]
+    blocks = torch.full((anchors.numel(), size), cfg.mask_token_id)
+    blocks[:, 0] = tokens[anchors]  # block = [anchor token, MASK x (B-1)]
+    positions = anchors[:, None] + torch.arange(size)  # [N, B]
+    context_kv = drafter.context_kv(taps, torch.arange(length))
+    mask = block_mask(anchors, length, size)
+    hidden = drafter(target.embed_tokens(blocks.flatten()), positions.flatten(), context_kv, mask)
+    hidden = hidden.view(anchors.numel(), size, -1)[:, 1:]  # slot k predicts the token k after the anchor
+    label_positions = positions[:, 1:]
+    valid = label_positions < length
+    labels = tokens[label_positions.clamp(max=length - 1)]
+    logits = target.lm_head(hidden)  # [N, B-1, V]
+    losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+    weights = position_weights(size, gamma)[None, :] * valid
+    loss = (losses * weights).sum() / weights.sum()
+    with torch.no_grad():
+        correct = (logits.argmax(-1) == labels) & valid
+        stats = {"accuracy": float(correct.float().sum() / valid.sum()), "tau": 1 + float(accepted_prefix(correct).float().mean())}
+    return loss, stats
+
+
+def eagle3_loss(
+    drafter: Eagle3Drafter,
+    target: Transformer,
+    tokens: torch.Tensor,  # [S]
+    taps: torch.Tensor,  # [S, L*H]
+    response_start: int,
+    depth: int,
+) -> tuple[torch.Tensor, dict]:
+    """Training-time test: unroll `depth` drafting steps exactly as the proposer runs them.
+
+    Position j of step 1 pairs token j+1 with the target's feature f_j. Step d feeds token j+d
+    and the drafter's own step d-1 output at j, and predicts token j+d+1. Its query (absolute
+    position j+d-1) attends to the step-1 keys at positions <= j (the real context) and to the
+    keys its own chain wrote at steps 2..d: the drafter cache's contents at inference time.
+    """
+    layer, attention = drafter.midlayer, drafter.midlayer.self_attn
+    length = tokens.shape[0]
+    positions = torch.arange(length - 1)  # j
+    features = drafter.fc(taps[:-1])  # [T, H]
+    causal = positions[None, :] <= positions[:, None]  # step-1 keys j' <= j
+    chain_keys, chain_values = [], []
+    total, weight_sum, correct_steps = 0.0, 0.0, []
+    for step in range(1, depth + 1):
+        token_positions = positions + step
+        embeds = target.embed_tokens(tokens[token_positions.clamp(max=length - 1)])
+        x = layer.fuse(embeds, features)
+        cos, sin = drafter.rotary(positions + step - 1)
+        q = attention.query(x, cos, sin)
+        k, v = attention.key_value(x, cos, sin)
+        if step == 1:
+            base_k, base_v = k, v
+        else:
+            chain_keys.append(k)
+            chain_values.append(v)
+        attended = _chain_attention(q, base_k, base_v, causal, chain_keys, chain_values)
+        features = layer.finish(features, attention.project_out(attended))
+        label_positions = positions + step + 1
+        valid = (label_positions < length) & (label_positions >= response_start)
+        labels = tokens[label_positions.clamp(max=length - 1)]
+        logits = target.lm_head(drafter.norm(features[valid]))
+        weight = 0.8 ** (step - 1)
+        total = total + weight * F.cross_entropy(logits, labels[valid])
+        weight_sum += weight
+        step_correct = torch.zeros_like(valid)
+        step_correct[valid] = logits.argmax(-1) == labels[valid]
+        correct_steps.append(step_correct)
+    with torch.no_grad():
+        correct = torch.stack(correct_steps, dim=-1)  # [T, depth]
+        starts = (positions + 2 >= response_start) & (positions + depth + 1 < length)
+        stats = {
+            "accuracy": float(correct_steps[0].float().sum() / max(int(starts.sum()), 1)),
+            "tau": 1 + float(accepted_prefix(correct[starts]).float().mean()) if starts.any() else 1.0,
+        }
+    return total / weight_sum, stats
+
+
+def _chain_attention(q, base_k, base_v, causal, chain_keys, chain_values):
+    """Softmax over [step-1 keys (causal) ; this position's chain keys], grouped-query heads."""
+    groups = q.shape[1] // base_k.shape[1]
+    expand = lambda t: t.repeat_interleave(groups, dim=1)  # noqa: E731
+    scale = 1 / math.sqrt(q.shape[-1])
+    scores = [(q @ expand(base_k).transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]  # [1,h,T,T]
+    scores += [(q * expand(k)).sum(-1, keepdim=True) * scale for k in chain_keys]  # [1,h,T,1] each
+    probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
+    length = base_k.shape[2]
+    out = probs[..., :length] @ expand(base_v)
+    for i, v in enumerate(chain_values):
+        out = out + probs[..., length + i : length + i + 1] * expand(v)
+    return out

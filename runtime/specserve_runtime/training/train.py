@@ -1,0 +1,162 @@
+"""`specserve train-drafter`: train a DFlash or EAGLE-3 drafter on self-distilled data.
+
+Both recipes share this loop, the data, the target features (computed once and cached next to
+the data), the optimiser and the step budget, so their results compare fairly. Checkpoints
+are written every `checkpoint_every` steps and a run resumes from the last one; with the same
+seed a run is deterministic (anchors, data order and initialisation are seeded).
+"""
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..drafters.dflash import DFlashConfig, DFlashDrafter, save_dflash
+from ..drafters.eagle3 import Eagle3Config, Eagle3Drafter, feature_layer_ids, save_eagle3
+from ..model import Transformer
+from .distill import read_sequences
+from .recipes import dflash_loss, eagle3_loss
+
+
+@dataclass
+class TrainConfig:
+    method: str  # dflash | eagle3
+    data: str
+    eval_data: str
+    out: str
+    steps: int = 1500
+    lr: float = 1e-3
+    warmup: int = 50
+    seed: int = 0
+    block_size: int = 8  # dflash
+    num_layers: int = 2  # dflash (EAGLE-3 has one layer by design)
+    anchors: int = 48  # dflash: blocks per sequence
+    gamma: float = 4.0  # dflash: position decay of the loss
+    depth: int = 4  # eagle3: drafting steps unrolled in training (= draft tokens at inference)
+    eval_every: int = 250
+    eval_sequences: int = 24
+    checkpoint_every: int = 250
+
+    def __post_init__(self):
+        if self.method not in ("dflash", "eagle3"):
+            raise ValueError(f"--method must be dflash or eagle3, got {self.method!r}")
+        if self.block_size < 2 or self.steps < 1 or self.depth < 1 or self.anchors < 1:
+            raise ValueError("--block-size >= 2, --steps, --depth and --anchors >= 1 are required")
+
+
+def feature_cache(target: Transformer, sequences: list[dict], layers: tuple[int, ...], path: Path, log) -> list[torch.Tensor]:
+    """Target taps of every sequence (float16), computed once and stored beside the data."""
+    if path.exists():
+        stored = load_file(path)
+        return [stored[str(i)] for i in range(len(sequences))]
+    from tqdm import tqdm
+
+    log(f"computing target features of layers {list(layers)} for {len(sequences)} sequences (once)")
+    taps = []
+    for record in tqdm(sequences, unit="seq", dynamic_ncols=True):
+        tokens = torch.tensor(record["prompt_ids"] + record["response_ids"])
+        out = target(tokens, target.new_cache(tokens.shape[0]), tap_layers=layers, last_logits_only=True)
+        taps.append(out.taps.half())
+    save_file({str(i): t.contiguous() for i, t in enumerate(taps)}, path)
+    return taps
+
+
+def new_drafter(cfg: TrainConfig, target: Transformer, mask_token_id: int):
+    torch.manual_seed(cfg.seed)
+    if cfg.method == "dflash":
+        # Three taps, the same low/mid/high layers as EAGLE-3's, so both read identical features.
+        config = DFlashConfig.for_target(target.config, cfg.num_layers, cfg.block_size, mask_token_id, num_taps=3)
+        assert config.target_layer_ids == feature_layer_ids(target.config.num_hidden_layers)
+        return DFlashDrafter(config)
+    return Eagle3Drafter(Eagle3Config.for_target(target.config))
+
+
+def sequence_loss(cfg: TrainConfig, drafter, target, record: dict, taps: torch.Tensor, generator: torch.Generator):
+    tokens = torch.tensor(record["prompt_ids"] + record["response_ids"])
+    start = len(record["prompt_ids"])
+    if cfg.method == "dflash":
+        return dflash_loss(drafter, target, tokens, taps.float(), start, cfg.anchors, cfg.gamma, generator)
+    return eagle3_loss(drafter, target, tokens, taps.float(), start, cfg.depth)
+
+
+@torch.no_grad()
+def evaluate(cfg: TrainConfig, drafter, target, sequences, taps) -> dict:
+    """Teacher-forced acceptance on held-out sequences (fixed anchors: comparable across steps)."""
+    drafter.eval()
+    generator = torch.Generator().manual_seed(1234)
+    results = [sequence_loss(cfg, drafter, target, r, t, generator) for r, t in zip(sequences, taps)]
+    drafter.train()
+    return {
+        "loss": sum(float(loss) for loss, _ in results) / len(results),
+        "tau": sum(s["tau"] for _, s in results) / len(results),
+        "accuracy": sum(s["accuracy"] for _, s in results) / len(results),
+    }
+
+
+def learning_rate(cfg: TrainConfig, step: int) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(cfg.steps - cfg.warmup, 1)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train(cfg: TrainConfig, target: Transformer, mask_token_id: int, log=print) -> dict:
+    from tqdm import tqdm
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    layers = feature_layer_ids(target.config.num_hidden_layers)
+    names = "-".join(map(str, layers))
+    data, eval_data = read_sequences(cfg.data), read_sequences(cfg.eval_data)[: cfg.eval_sequences]
+    taps = feature_cache(target, data, layers, Path(cfg.data) / f"taps-{names}.safetensors", log)
+    eval_taps = feature_cache(target, eval_data, layers, Path(cfg.eval_data) / f"taps-{names}-{len(eval_data)}.safetensors", log)
+
+    drafter = new_drafter(cfg, target, mask_token_id).train()
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    start_step, history, seconds = 0, [], 0.0
+    state_file = out / "train-state.pt"
+    if state_file.exists():  # resume
+        state = torch.load(state_file, weights_only=False)
+        if state["config"] != asdict(cfg):
+            raise ValueError(f"{state_file} was written with other settings; use another --out or the same flags")
+        drafter.load_state_dict(state["drafter"])
+        optimizer.load_state_dict(state["optimizer"])
+        generator.set_state(state["generator"])
+        start_step, history, seconds = state["step"], state["history"], state["seconds"]
+        log(f"resuming {cfg.method} training at step {start_step}")
+
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    progress = tqdm(range(start_step, cfg.steps), initial=start_step, total=cfg.steps, dynamic_ncols=True)
+    for step in progress:
+        started = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(cfg, step)
+        index = order[step % len(order)]
+        loss, stats = sequence_loss(cfg, drafter, target, data[index], taps[index], generator)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        seconds += time.perf_counter() - started
+        progress.set_postfix(loss=f"{float(loss):.3f}", acc=f"{stats['accuracy']:.2f}")
+        done = step + 1
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            held_out = evaluate(cfg, drafter, target, eval_data, eval_taps)
+            history.append({"step": done, "seconds": round(seconds, 1), **{k: round(v, 4) for k, v in held_out.items()}})
+            progress.write(f"step {done}: held-out tau {held_out['tau']:.2f}, accuracy {held_out['accuracy']:.3f}, loss {held_out['loss']:.3f}")
+        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+            torch.save(
+                {"config": asdict(cfg), "step": done, "drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(),
+                 "generator": generator.get_state(), "history": history, "seconds": seconds},
+                state_file,
+            )
+    drafter.eval().requires_grad_(False)
+    (save_dflash if cfg.method == "dflash" else save_eagle3)(drafter, out / "drafter", dtype=torch.float16)
+    summary = {"config": asdict(cfg), "train_seconds": round(seconds, 1), "history": history}
+    (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

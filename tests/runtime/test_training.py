@@ -1,0 +1,103 @@
+"""Training pieces on a tiny target: anchors, block mask, loss weights, and train == inference."""
+
+import json
+
+import pytest
+import torch
+
+from specserve_runtime.drafters import ProposerOptions, build_proposer
+from specserve_runtime.drafters.dflash import DFlashConfig, DFlashProposer, load_dflash, random_drafter
+from specserve_runtime.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Proposer
+from specserve_runtime.training.recipes import (
+    accepted_prefix,
+    block_mask,
+    dflash_loss,
+    eagle3_loss,
+    position_weights,
+    sample_anchors,
+)
+
+
+def test_anchors_are_distinct_sorted_and_inside_the_response():
+    generator = torch.Generator().manual_seed(0)
+    anchors = sample_anchors(response_start=10, length=30, count=8, generator=generator)
+    assert anchors.tolist() == sorted(set(anchors.tolist())) and len(anchors) == 8
+    assert anchors.min() >= 10 and anchors.max() <= 28  # every anchor has a next token
+    assert len(sample_anchors(10, 14, 50, generator)) == 3  # capped by the positions available
+
+
+def test_block_mask_sees_context_before_the_anchor_and_its_own_block():
+    mask = block_mask(torch.tensor([2, 4]), context_length=5, block_size=2)
+    assert mask.tolist() == [
+        # context 0..4              | block 0 | block 1
+        [True, True, False, False, False, True, True, False, False],
+        [True, True, False, False, False, True, True, False, False],
+        [True, True, True, True, False, False, False, True, True],
+        [True, True, True, True, False, False, False, True, True],
+    ]
+
+
+def test_position_weights_decay_from_one():
+    weights = position_weights(block_size=8, gamma=4.0)
+    assert weights.shape == (7,) and weights[0] == 1.0
+    torch.testing.assert_close(weights[4], torch.exp(torch.tensor(-1.0)))
+    assert accepted_prefix(torch.tensor([[True, True, False, True], [False, True, True, True]])).tolist() == [2, 0]
+
+
+def test_dflash_training_forward_equals_inference_drafts(tiny_llama):
+    """Every packed block of the training forward computes what the proposer computes at that point."""
+    config = DFlashConfig.for_target(tiny_llama.config, 2, 4, mask_token_id=95, num_taps=3)
+    drafter = random_drafter(config, seed=3)
+    tokens = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(6))
+    taps = tiny_llama(tokens, tiny_llama.new_cache(32), tap_layers=config.target_layer_ids).taps
+    anchors = torch.tensor([9, 14, 20])
+    size = config.block_size
+    blocks = torch.full((3, size), 95)
+    blocks[:, 0] = tokens[anchors]
+    positions = (anchors[:, None] + torch.arange(size)).flatten()
+    hidden = drafter(tiny_llama.embed_tokens(blocks.flatten()), positions, drafter.context_kv(taps, torch.arange(24)),
+                     block_mask(anchors, 24, size))
+    packed_drafts = tiny_llama.lm_head(hidden.view(3, size, -1)[:, 1:]).argmax(-1)
+    for row, anchor in enumerate(anchors.tolist()):
+        proposer = DFlashProposer(tiny_llama, drafter, size - 1)
+        proposer.begin(64)
+        proposer.extend_context(taps[:anchor])
+        assert proposer.propose(tokens[: anchor + 1].tolist(), size - 1) == packed_drafts[row].tolist()
+
+
+def test_eagle3_training_time_test_equals_inference_drafting(tiny_llama):
+    """Unrolled training steps compute, at every position, the proposer's chained drafts."""
+    torch.manual_seed(4)
+    drafter = Eagle3Drafter(Eagle3Config.for_target(tiny_llama.config)).eval()
+    tokens = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(7))
+    taps = tiny_llama(tokens, tiny_llama.new_cache(32), tap_layers=drafter.config.target_layer_ids).taps
+    depth = 3
+    # Make the data agree with the drafter's own guesses after position 8, so the teacher-forced
+    # chain follows the same tokens the proposer feeds itself.
+    proposer = Eagle3Proposer(tiny_llama, drafter, depth)
+    proposer.begin(64)
+    proposer.extend_context(taps[:9])
+    drafts = proposer.propose(tokens[:10].tolist(), depth)
+    forced = torch.cat([tokens[:10], torch.tensor(drafts)])
+    taps_forced = tiny_llama(forced, tiny_llama.new_cache(32), tap_layers=drafter.config.target_layer_ids).taps
+    with torch.no_grad():
+        _, stats = eagle3_loss(drafter, tiny_llama, forced, taps_forced, response_start=10, depth=depth)
+    # The drafting position j = 8 starts the chain whose labels are the drafts: all accepted.
+    assert stats["tau"] == pytest.approx(1 + depth)
+
+
+def test_dflash_loss_trains_a_drafter_to_copy_a_sequence(tiny_llama, tmp_path):
+    config = DFlashConfig.for_target(tiny_llama.config, 1, 4, mask_token_id=95, num_taps=3)
+    drafter = random_drafter(config, seed=0).train().requires_grad_(True)
+    tokens = torch.randint(0, 95, (40,), generator=torch.Generator().manual_seed(8))
+    taps = tiny_llama(tokens, tiny_llama.new_cache(64), tap_layers=config.target_layer_ids).taps
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    first = None
+    for _ in range(60):
+        loss, stats = dflash_loss(drafter, tiny_llama, tokens, taps.clone(), 5, 16, 4.0, generator)
+        first = first or float(loss)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert float(loss) < first / 3 and stats["tau"] > 1.5
