@@ -142,6 +142,56 @@ def cmd_train_drafter(args) -> None:
     print(json.dumps(summary["history"][-1] if summary["history"] else {}))
 
 
+def cmd_serve(args) -> None:
+    from .config import read_config
+
+    if args.config:
+        config = read_config(args.config)
+        if config.engine != "embedded":
+            raise UsageError(f"{args.config}: engine {config.engine} runs with `specserve launch`, not `serve`")
+        args.model, args.method, args.port = config.model, config.method, config.port
+        args.drafter, args.served_model_name = config.drafter, config.served_name
+        args.num_speculative_tokens = config.num_speculative_tokens
+    run_embedded_server(args)
+
+
+def run_embedded_server(args) -> None:
+    from .drafters import ProposerOptions
+    from .loader import build_engine, load_model
+    from .server.app import Server, serve
+
+    if args.max_concurrency < 1:
+        raise UsageError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    method = "ar" if args.method == "none" else args.method
+    model = load_model(args.model)
+    engine = build_engine(model, method, ProposerOptions(args.drafter, args.num_speculative_tokens))
+    served_name = args.served_model_name or Path(str(args.model)).name
+    server = Server(model, engine, served_name, method, args.drafter, args.max_concurrency)
+    print(f"serving {served_name} ({method}) on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    serve(server, args.host, args.port)
+
+
+def cmd_launch(args) -> None:
+    import os
+    import shlex
+
+    from .config import read_config
+    from .launch import vllm_command
+
+    config = read_config(args.config)
+    if config.engine == "embedded":
+        command = ["specserve", "serve", "--config", args.config]
+    else:
+        command = vllm_command(config)
+    if args.dry_run:
+        print(shlex.join(command))
+        return
+    if config.engine == "embedded":
+        cmd_serve(build_parser().parse_args(["serve", "--config", args.config]))
+        return
+    os.execvp(command[0], command)  # an argument list, never a shell
+
+
 def build_parser() -> Parser:
     from .store import DEFAULT_MODEL
 
@@ -167,6 +217,23 @@ def build_parser() -> Parser:
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     gen.set_defaults(run=cmd_generate)
+
+    serve = commands.add_parser("serve", help="serve the OpenAI API on the embedded engine")
+    serve.add_argument("--model", default=DEFAULT_MODEL)
+    serve.add_argument("--method", default="dflash", choices=("none",) + METHODS)
+    serve.add_argument("--drafter", help="drafter checkpoint folder, or 'random'")
+    serve.add_argument("--num-speculative-tokens", type=int)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", help="the OpenAI model name clients send (default: the model's name)")
+    serve.add_argument("--max-concurrency", type=int, default=32, help="requests admitted at once; more get 429")
+    serve.add_argument("--config", help="a runtime configuration file (what the operator renders)")
+    serve.set_defaults(run=cmd_serve)
+
+    launch = commands.add_parser("launch", help="run a runtime configuration on its engine (embedded or vllm)")
+    launch.add_argument("--config", required=True)
+    launch.add_argument("--dry-run", action="store_true", help="print the exact command instead of running it")
+    launch.set_defaults(run=cmd_launch)
 
     distill = commands.add_parser("distill", help="generate self-distilled drafter training data (resumable)")
     distill.add_argument("--out", required=True, help="data folder (shards are skipped if present)")

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server of the embedded engine."""

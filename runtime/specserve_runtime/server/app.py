@@ -1,0 +1,297 @@
+"""The OpenAI-compatible HTTP server of the embedded engine.
+
+One engine generates one sequence at a time, in a worker thread; requests wait in a bounded
+queue (a full queue answers 429 with Retry-After instead of hanging). Each request streams
+its engine steps back to its handler through an asyncio queue; a client that disconnects sets
+a flag that the worker checks between steps, which ends its generation.
+"""
+
+import asyncio
+import json
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ..engine import Engine, Request, Result
+from ..loader import LoadedModel
+from ..metrics import Metrics
+from ..verify import SamplingParams
+from . import protocol
+from .protocol import ApiError
+
+_DONE = object()
+
+
+@dataclass(eq=False)  # jobs are identities: hashable, compared by object
+class Job:
+    request: Request
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    arrived: float = field(default_factory=time.perf_counter)
+
+
+class Worker:
+    """Owns the engine. Admits at most `max_concurrency` requests (running + waiting)."""
+
+    def __init__(self, engine: Engine, metrics: Metrics, max_concurrency: int):
+        self.engine, self.metrics, self.max_concurrency = engine, metrics, max_concurrency
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.active: set[Job] = set()  # admitted and not finished
+        self.admitted = 0
+        self.lock = threading.Lock()
+        self.idle = threading.Event()
+        self.idle.set()
+        self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self.lock:
+            if self.admitted >= self.max_concurrency:
+                self.metrics.of(self.metrics.rejected, reason="queue_full").inc()
+                raise ApiError(429, f"server busy: {self.admitted} requests in flight (max {self.max_concurrency})")
+            self.admitted += 1
+            self.active.add(job)
+            self.idle.clear()
+        self.metrics.of(self.metrics.waiting).inc()
+        self.jobs.put(job)
+
+    def cancel_all(self) -> None:
+        with self.lock:
+            for job in self.active:
+                job.cancelled.set()
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+
+    def _emit(self, job: Job, item) -> None:
+        job.loop.call_soon_threadsafe(job.events.put_nowait, item)
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            self.metrics.of(self.metrics.waiting).dec()
+            try:
+                if not job.cancelled.is_set():
+                    self._generate(job)
+                else:
+                    self._emit(job, _DONE)
+            except Exception as exc:  # never let one request take the worker down
+                self._emit(job, exc)
+            finally:
+                with self.lock:
+                    self.admitted -= 1
+                    self.active.discard(job)
+                    if self.admitted == 0:
+                        self.idle.set()
+
+    def _generate(self, job: Job) -> None:
+        metrics = self.metrics
+        started = time.perf_counter()
+        metrics.of(metrics.queue_time).observe(started - job.arrived)
+        metrics.of(metrics.running).inc()
+        metrics.of(metrics.prompt_tokens).inc(len(job.request.prompt_ids))
+        result = Result([], "", "", len(job.request.prompt_ids), 0, 0, 0, 0)
+        try:
+            last = None
+            for step in self.engine.stream(job.request, result):
+                now = time.perf_counter()
+                if step.token_ids:
+                    metrics.record_step(len(step.token_ids), step.num_draft_tokens, step.num_accepted)
+                    if last is None:
+                        metrics.of(metrics.ttft).observe(now - job.arrived)
+                    else:
+                        metrics.of(metrics.itl).observe(now - last)
+                    last = now
+                self._emit(job, step)
+                if job.cancelled.is_set():  # the client went away: stop spending compute on it
+                    result.finish_reason = "abort"
+                    break
+        finally:
+            metrics.of(metrics.running).dec()
+        metrics.of(metrics.e2e).observe(time.perf_counter() - job.arrived)
+        metrics.of(metrics.success, finished_reason=result.finish_reason or "abort").inc()
+        self._emit(job, result)
+        self._emit(job, _DONE)
+
+
+class IncrementalText:
+    """Text deltas for streaming that add up exactly to the final, stop-truncated text.
+
+    Text that could still become part of a stop string, or that ends in an incomplete UTF-8
+    character, is held back until the next step or the end.
+    """
+
+    def __init__(self, tokenizer, stops: tuple[str, ...]):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.holdback = max((len(s) for s in stops), default=1) - 1  # a stop string may still be forming
+        self.token_ids: list[int] = []
+        self.sent = ""
+
+    def step(self, token_ids: list[int]) -> str:
+        self.token_ids += token_ids
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True).rstrip("\ufffd")
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        safe = text[: min(hits)] if hits else text[: len(text) - self.holdback]
+        return self._advance(safe)
+
+    def finish(self, final_text: str) -> str:
+        return self._advance(final_text)
+
+    def _advance(self, text: str) -> str:
+        if not text.startswith(self.sent) or len(text) <= len(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+
+class Server:
+    def __init__(self, model: LoadedModel, engine: Engine, served_name: str, method: str, drafter: str | None,
+                 max_concurrency: int = 32, shutdown_grace: float = 30.0):
+        self.model, self.served_name = model, served_name
+        self.context_length = model.target.config.max_position_embeddings
+        self.metrics = Metrics(served_name, method, drafter)
+        self.worker = Worker(engine, self.metrics, max_concurrency)
+        self.shutdown_grace = shutdown_grace
+        self.draining = False
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors], client_max_size=4 * 1024 * 1024)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.metrics_page)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.on_shutdown.append(self._drain)
+        return app
+
+    @web.middleware
+    async def _errors(self, request, handler):
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
+            return web.json_response(exc.body(), status=exc.status, headers=headers)
+
+    async def health(self, request):
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, request):
+        if self.draining:
+            return web.json_response({"status": "draining"}, status=503)
+        return web.json_response({"status": "ready", "model": self.served_name})
+
+    async def metrics_page(self, request):
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def models(self, request):
+        card = {"id": self.served_name, "object": "model", "created": 0, "owned_by": "specserve",
+                "max_model_len": self.context_length}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def _payload(self, request) -> dict:
+        try:
+            return await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"malformed JSON body: {exc}") from exc
+
+    def _engine_request(self, body: protocol.SamplingFields, prompt_ids: list[int], max_tokens: int | None) -> Request:
+        if body.model != self.served_name:
+            raise ApiError(404, f"model {body.model!r} does not exist; this server serves {self.served_name!r}",
+                           param="model", code="model_not_found")
+        room = self.context_length - len(prompt_ids)
+        max_tokens = room if max_tokens is None else max_tokens
+        if max_tokens > room:
+            raise ApiError(400, f"max_tokens {max_tokens} + {len(prompt_ids)} prompt tokens exceed the context "
+                                f"length {self.context_length}", param="max_tokens")
+        seed = body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little")
+        return Request(prompt_ids, max_tokens, SamplingParams(body.temperature, body.top_p), seed, body.stops())
+
+    async def completions(self, request):
+        body = protocol.parse(protocol.CompletionRequest, await self._payload(request))
+        prompt_ids = self.model.encode(body.prompt, raw=True)
+        return await self._respond(request, body, self._engine_request(body, prompt_ids, body.max_tokens), chat=False)
+
+    async def chat_completions(self, request):
+        body = protocol.parse(protocol.ChatCompletionRequest, await self._payload(request))
+        prompt_ids = self.model.encode_chat([m.model_dump() for m in body.messages])
+        return await self._respond(request, body, self._engine_request(body, prompt_ids, body.token_limit()), chat=True)
+
+    async def _respond(self, http_request, body, engine_request: Request, chat: bool):
+        if self.draining:
+            raise ApiError(503, "server is shutting down")
+        job = Job(engine_request, asyncio.get_running_loop())
+        self.worker.submit(job)
+        request_id = protocol.new_id("chatcmpl" if chat else "cmpl")
+        try:
+            if body.stream:
+                return await self._stream(http_request, body, job, request_id, chat)
+            return await self._complete(job, request_id, chat)
+        finally:
+            job.cancelled.set()  # no-op if done; stops generation if the client went away
+
+    async def _events(self, job: Job):
+        while (item := await job.events.get()) is not _DONE:
+            if isinstance(item, Exception):
+                raise ApiError(500, f"generation failed: {item}")
+            yield item
+
+    async def _complete(self, job: Job, request_id: str, chat: bool):
+        result = None
+        async for item in self._events(job):
+            result = item
+        usage = protocol.usage(result.prompt_tokens, len(result.token_ids))
+        build = protocol.chat_body if chat else protocol.completion_body
+        return web.json_response(build(request_id, self.served_name, result.text, result.finish_reason, usage))
+
+    async def _stream(self, http_request, body, job: Job, request_id: str, chat: bool):
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(http_request)
+
+        async def send(payload) -> None:
+            await response.write(f"data: {json.dumps(payload)}\n\n".encode())
+
+        def chunk(text: str, finish_reason=None) -> dict:
+            if chat:
+                return protocol.chat_chunk(request_id, self.served_name, {"content": text}, finish_reason)
+            return protocol.completion_chunk(request_id, self.served_name, text, finish_reason)
+
+        text = IncrementalText(self.model.tokenizer, job.request.stop)
+        if chat:
+            await send(protocol.chat_chunk(request_id, self.served_name, {"role": "assistant", "content": ""}, None))
+        result = None
+        async for item in self._events(job):
+            if isinstance(item, Result):
+                result = item
+            else:  # an engine step
+                delta = text.step(item.token_ids)
+                if delta:
+                    await send(chunk(delta))
+        await send(chunk(text.finish(result.text), result.finish_reason))
+        if body.stream_options and body.stream_options.include_usage:
+            final = chunk("")
+            final["choices"], final["usage"] = [], protocol.usage(result.prompt_tokens, len(result.token_ids))
+            await send(final)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _drain(self, app) -> None:
+        """SIGTERM: refuse new work (readiness fails), give in-flight requests time to finish."""
+        self.draining = True
+        if not await asyncio.to_thread(self.worker.idle.wait, self.shutdown_grace):
+            self.worker.cancel_all()  # out of time: end what is left with finish_reason "abort"
+            await asyncio.to_thread(self.worker.idle.wait, 5)
+        self.worker.stop()
+
+
+def serve(server: Server, host: str, port: int) -> None:
+    web.run_app(server.app(), host=host, port=port, shutdown_timeout=server.shutdown_grace + 5,
+                handle_signals=True, print=lambda message: print(message, flush=True))
+

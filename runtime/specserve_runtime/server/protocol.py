@@ -1,0 +1,127 @@
+"""The OpenAI wire format: request models (validation with clear errors) and response builders."""
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        kind = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error"}.get(self.status, "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    # Unknown fields (user, logit_bias, ...) are ignored, as OpenAI-compatible servers do.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1, description="one choice per request")
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value):
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop takes up to 4 non-empty strings")
+        return stops
+
+    def stops(self) -> tuple[str, ...]:
+        return tuple(self.stop or ())
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value):
+        if isinstance(value, list):
+            if len(value) != 1:
+                raise ValueError("send one prompt per request")
+            value = value[0]
+        if not value:
+            raise ValueError("prompt is empty")
+        return value
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+def parse(model: type[BaseModel], payload) -> BaseModel:
+    if not isinstance(payload, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from exc
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_body(request_id, model, text, finish_reason, usage_) -> dict:
+    return {
+        "id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "usage": usage_,
+    }
+
+
+def chat_body(request_id, model, text, finish_reason, usage_) -> dict:
+    return {
+        "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                     "finish_reason": finish_reason}],
+        "usage": usage_,
+    }
+
+
+def completion_chunk(request_id, model, text, finish_reason) -> dict:
+    return {
+        "id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+    }
+
+
+def chat_chunk(request_id, model, delta: dict, finish_reason) -> dict:
+    return {
+        "id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+    }

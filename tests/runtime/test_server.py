@@ -1,0 +1,242 @@
+"""The OpenAI-compatible server: the real `openai` client against a live `specserve serve`, bad requests,
+bounded concurrency, disconnects, and the vLLM launcher's command lines."""
+
+import asyncio
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+from specserve_runtime.config import RuntimeConfig
+from specserve_runtime.engine import Request
+from specserve_runtime.launch import vllm_command
+from specserve_runtime.loader import build_engine
+
+MODEL = "SmolLM2-135M-Instruct"
+QUESTION = "What is the capital of France?"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(base: str, process: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}: {process.stderr.read()}")
+        try:
+            with urllib.request.urlopen(base + "/ready", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.3)
+    raise TimeoutError("server not ready")
+
+
+def specserve_bin() -> str:
+    return shutil.which("specserve") or str(Path(sys.executable).parent / "specserve")
+
+
+@pytest.fixture(scope="module")
+def server():
+    """`specserve serve` in a subprocess on loopback: DFlash with a random drafter."""
+    port = free_port()
+    process = subprocess.Popen(
+        [specserve_bin(), "serve", "--method", "dflash", "--drafter", "random", "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, process)
+        yield base
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+pytestmark = pytest.mark.slow
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_completion_matches_generate_and_streaming(client, smollm2):
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                           temperature=0, max_tokens=24)
+    expected = build_engine(smollm2, "ar").generate(Request(smollm2.encode(QUESTION), 24))
+    assert reply.choices[0].message.content == expected.text
+    assert reply.choices[0].finish_reason == expected.finish_reason
+    assert reply.usage.completion_tokens == len(expected.token_ids)
+    assert reply.usage.prompt_tokens == len(smollm2.encode(QUESTION))
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                            temperature=0, max_tokens=24, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert chunks[-1].choices[0].finish_reason == expected.finish_reason
+
+
+def test_completion_with_stop_string_streams_the_same_text(client):
+    kwargs = dict(model=MODEL, prompt="The first five prime numbers are", temperature=0, max_tokens=40, stop=[","])
+    whole = client.completions.create(**kwargs)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs))
+    assert whole.choices[0].finish_reason == "stop" and "," not in whole.choices[0].text
+    assert streamed == whole.choices[0].text
+
+
+def test_sampling_with_a_seed_is_reproducible(client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], temperature=0.9,
+                  top_p=0.9, max_tokens=16, seed=5)
+    first = client.chat.completions.create(**kwargs).choices[0].message.content
+    assert client.chat.completions.create(**kwargs).choices[0].message.content == first
+
+
+@pytest.mark.parametrize(
+    "payload, status, fragment",
+    [
+        ({"model": "gpt-4", "prompt": "hi"}, 404, "model 'gpt-4' does not exist"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": -5}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 10**9}, 400, "exceed the context length"),
+        ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+        ({"model": MODEL, "prompt": ""}, 400, "prompt is empty"),
+        ({"model": MODEL}, 400, "prompt"),
+        ([1, 2, 3], 400, "JSON object"),
+    ],
+)
+def test_bad_requests_get_openai_errors(server, payload, status, fragment):
+    request = urllib.request.Request(server + "/v1/completions", data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=30)
+    assert caught.value.code == status
+    error = json.loads(caught.value.read())["error"]
+    assert fragment in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_malformed_json_is_a_400(server):
+    request = urllib.request.Request(server + "/v1/chat/completions", data=b'{"model": ', headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=30)
+    assert caught.value.code == 400 and "malformed JSON" in json.loads(caught.value.read())["error"]["message"]
+
+
+def test_sixteen_concurrent_streams_all_complete_uncorrupted(client):
+    prompts = [f"Count from {i} to {i + 5}." for i in range(4)]
+    expected = {p: client.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=12).choices[0].text
+                for p in prompts}
+
+    def stream(prompt):
+        chunks = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12, stream=True)
+        return prompt, "".join(c.choices[0].text for c in chunks)
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(stream, [prompts[i % 4] for i in range(16)]))
+    assert len(results) == 16
+    for prompt, text in results:
+        assert text == expected[prompt]
+
+
+def test_health_ready_and_metrics(server, client):
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], temperature=0, max_tokens=8)
+    for path in ("/health", "/ready"):
+        with urllib.request.urlopen(server + path, timeout=5) as response:
+            assert response.status == 200
+    text = urllib.request.urlopen(server + "/metrics", timeout=5).read().decode()
+    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:prompt_tokens_total", "vllm:request_success_total", "vllm:num_requests_running",
+                 "vllm:num_requests_waiting", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
+                 "vllm:request_queue_time_seconds_bucket", "specserve_runtime_info"):
+        assert name in text, name
+    assert 'engine="embedded"' in text and f'model_name="{MODEL}"' in text
+    assert 'le="2560.0"' in text  # vLLM's last TTFT bucket boundary
+
+
+async def test_full_queue_answers_429_and_disconnect_stops_generation(smollm2):
+    """In process, with room for one request: a second concurrent one is refused, and a client that
+    goes away mid-stream ends its generation (finished_reason abort) instead of running to max_tokens."""
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from specserve_runtime.server.app import Server
+
+    server = Server(smollm2, build_engine(smollm2, "ar"), MODEL, "ar", None, max_concurrency=1)
+    async with TestServer(server.app()) as test_server, aiohttp.ClientSession() as session:
+        url = str(test_server.make_url("/v1/completions"))
+        long_request = {"model": MODEL, "prompt": "Write a long essay about the sea.", "max_tokens": 2000, "stream": True}
+        response = await session.post(url, json=long_request)
+        await response.content.readline()  # the stream has started: the only slot is taken
+        refused = await session.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 4})
+        assert refused.status == 429 and refused.headers["Retry-After"] == "1"
+        assert (await refused.json())["error"]["type"] == "rate_limit_error"
+        response.close()  # the client disconnects
+        for _ in range(100):
+            if server.worker.idle.is_set():
+                break
+            await asyncio.sleep(0.1)
+        assert server.worker.idle.is_set(), "generation kept running after the client left"
+        aborted = server.metrics.of(server.metrics.success, finished_reason="abort")._value.get()
+        generated = server.metrics.of(server.metrics.generation_tokens)._value.get()
+        assert aborted == 1 and generated < 2000
+        ok = await session.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 4})
+        assert ok.status == 200
+        server.worker.stop()
+
+
+@pytest.mark.parametrize(
+    "method, drafter, tokens, expected",
+    [
+        ("none", None, None, None),
+        ("ngram", None, 5, {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}),
+        ("eagle3", "hf://RedHatAI/Qwen3-8B-speculator.eagle3", 7,
+         {"method": "eagle3", "model": "RedHatAI/Qwen3-8B-speculator.eagle3", "num_speculative_tokens": 7}),
+        ("dflash", "hf://z-lab/Qwen3-8B-DFlash-b16", 15,
+         {"method": "dflash", "model": "z-lab/Qwen3-8B-DFlash-b16", "num_speculative_tokens": 15}),
+    ],
+)
+def test_vllm_command_lines(method, drafter, tokens, expected):
+    config = RuntimeConfig(model="Qwen/Qwen3-8B", served_name="qwen3-8b", method=method, drafter=drafter,
+                           num_speculative_tokens=tokens, engine="vllm", engine_args=["--max-num-batched-tokens", "32768"])
+    command = vllm_command(config)
+    assert command[:4] == ["vllm", "serve", "Qwen/Qwen3-8B", "--served-model-name"]
+    assert command[-2:] == ["--max-num-batched-tokens", "32768"]
+    if expected is None:
+        assert "--speculative-config" not in command
+    else:
+        assert json.loads(command[command.index("--speculative-config") + 1]) == expected
+
+
+def test_launch_dry_run_prints_the_exact_command(tmp_path):
+    config = tmp_path / "runtime.yaml"
+    config.write_text(RuntimeConfig(model="Qwen/Qwen3-8B", served_name="qwen3-8b", method="dflash",
+                                    drafter="hf://z-lab/Qwen3-8B-DFlash-b16", num_speculative_tokens=15, engine="vllm",
+                                    engine_args=["--attention-backend", "flash_attn; rm -rf /"]).to_yaml())
+    out = subprocess.run([specserve_bin(), "launch", "--config", str(config), "--dry-run"], capture_output=True,
+                         text=True, check=True).stdout.strip()
+    assert out.startswith("vllm serve Qwen/Qwen3-8B --served-model-name qwen3-8b --host 0.0.0.0 --port 8000 "
+                          "--speculative-config ")
+    assert out.endswith("--attention-backend 'flash_attn; rm -rf /'")  # an argument, quoted, never shell code
+
+
+def test_launch_rejects_a_bad_config(tmp_path):
+    config = tmp_path / "runtime.yaml"
+    config.write_text("model: m\nservedName: m\nmethod: medusa\n")
+    run = subprocess.run([specserve_bin(), "launch", "--config", str(config)], capture_output=True, text=True)
+    assert run.returncode == 2 and "method: Input should be" in run.stderr
