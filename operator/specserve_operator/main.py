@@ -6,6 +6,7 @@ import os
 import threading
 
 import kopf
+from kubernetes.client.rest import ApiException
 from prometheus_client import Counter
 
 from . import api
@@ -89,6 +90,10 @@ async def profile_changed(name, memo: kopf.Memo, logger, **_):
             continue
         meta = serving["metadata"]
         status = await _reconcile_and_report(serving, memo, logger)
-        await asyncio.to_thread(
-            cluster.patch_status, api.API_VERSION, "SpeculativeServing", meta.get("namespace"), meta["name"], status
-        )
+        try:
+            await asyncio.to_thread(
+                cluster.patch_status, api.API_VERSION, "SpeculativeServing", meta.get("namespace"), meta["name"], status
+            )
+        except ApiException as exc:
+            if exc.status != 404:  # deleted meanwhile: nothing to report on
+                raise

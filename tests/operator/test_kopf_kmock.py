@@ -155,3 +155,38 @@ async def test_delete_cleans_up_every_child(operator, serving, profile):
     await asyncio.to_thread(client.delete, "specserve.io/v1alpha1", "SpeculativeServing", "team-a", "qwen3-8b")
     for resource in (DEPLOYMENTS, "v1/services", "v1/configmaps", "policy/v1/poddisruptionbudgets", "networking.k8s.io/v1/networkpolicies"):
         assert await eventually(lambda: live(operator, resource) == []), resource
+
+
+VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "UPDATE": "patch", "DELETE": "delete"}
+
+
+async def test_every_api_call_is_allowed_by_the_cluster_role(operator, serving, profile):
+    """Least privilege, checked against what the operator (our code and kopf) really calls."""
+    from specserve_operator.apply import RBAC_RULES
+
+    test_calls = len(list(operator))
+    await create(operator, profile)
+    await create(operator, with_uid(serving))
+    name = (await eventually(lambda: live(operator, DEPLOYMENTS)))[0]
+    await merge_patch(operator, profile, {"spec": {"accelerator": {"count": 2}}})
+    await eventually(lambda: operator.objects[DEPLOYMENTS, "team-a", name]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2")
+    client = cluster_client(operator)
+    await asyncio.to_thread(client.delete, "specserve.io/v1alpha1", "SpeculativeServing", "team-a", "qwen3-8b")
+    await eventually(lambda: live(operator, DEPLOYMENTS) == [])
+    allowed = {(group, resource, verb) for group, resource, verbs in RBAC_RULES for verb in verbs}
+    ours = {("specserve.io", "servingprofiles", "create"), ("specserve.io", "speculativeservings", "create"),
+            ("specserve.io", "servingprofiles", "patch"), ("specserve.io", "speculativeservings", "delete")}
+    used = set()
+    for request in list(operator)[test_calls:]:
+        if request.resource is None or request.action is None:
+            continue  # discovery (/api, /apis): allowed to every authenticated client
+        if request.resource.plural is None:
+            if request.url.path == "/api/v1/namespaces/team-a":  # KMock parses this GET as a bare namespace
+                used.add(("", "namespaces", "get"))
+            continue  # otherwise discovery of a group version
+        resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
+        used.add((request.resource.group, resource, VERBS[request.action.name]))
+    # The test itself created and deleted the custom resources; everything else is the operator's.
+    calls = used - {c for c in ours if c not in allowed}
+    assert calls - allowed == set(), calls - allowed
+    assert ("apps", "deployments", "create") in calls and ("", "events", "create") in calls

@@ -1,0 +1,141 @@
+"""The CRDs: generated from the models, committed, schema-valid, and enforcing the same rules as the models."""
+
+import copy
+from pathlib import Path
+
+import celpy
+import kubernetes_validate
+import pytest
+import yaml
+from jsonschema import Draft4Validator
+
+from specserve_operator import api
+from specserve_operator.apply import RBAC_RULES, cluster_role
+from specserve_operator.crd import all_crds, render_yaml
+from specserve_operator.validate import parse_serving
+
+CRD_DIR = Path("crds")
+
+
+def crd_schema(kind: str) -> dict:
+    crd = next(c for c in all_crds().values() if c["spec"]["names"]["kind"] == kind)
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def test_committed_crds_are_the_generated_ones():
+    for name, crd in all_crds().items():
+        assert (CRD_DIR / name).read_text() == render_yaml(crd), f"crds/{name} is stale: run `specserve crds --out crds`"
+
+
+def test_crds_are_valid_kubernetes_objects_with_subresources_and_columns():
+    for path in CRD_DIR.glob("*.yaml"):
+        crd = yaml.safe_load(path.read_text())
+        kubernetes_validate.validate(crd, "1.30", strict=True)
+        version = crd["spec"]["versions"][0]
+        assert "status" in version["subresources"]
+        assert version["additionalPrinterColumns"] and crd["spec"]["names"]["shortNames"]
+    scale = crd_schema  # noqa: F841 (documentation: SpeculativeServing has /scale, ServingProfile does not)
+    servings = yaml.safe_load((CRD_DIR / "specserve.io_speculativeservings.yaml").read_text())
+    assert servings["spec"]["versions"][0]["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas.desired"
+    assert servings["spec"]["scope"] == "Namespaced"
+    profiles = yaml.safe_load((CRD_DIR / "specserve.io_servingprofiles.yaml").read_text())
+    assert profiles["spec"]["scope"] == "Cluster"
+
+
+def _walk(schema: dict):
+    yield schema
+    for child in list((schema.get("properties") or {}).values()) + [schema.get("items"), schema.get("additionalProperties")]:
+        if isinstance(child, dict):
+            yield from _walk(child)
+
+
+def test_schemas_are_structural():
+    for kind in ("SpeculativeServing", "ServingProfile"):
+        for node in _walk(crd_schema(kind)):
+            assert "$ref" not in node and "anyOf" not in node and "oneOf" not in node
+            assert "type" in node or node.get("x-kubernetes-int-or-string"), node
+
+
+def test_examples_validate_against_the_crd_schemas(example_documents):
+    for doc in example_documents:
+        if doc["kind"] in ("SpeculativeServing", "ServingProfile"):
+            Draft4Validator(crd_schema(doc["kind"])).validate(doc)
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda s: s["rollout"]["steps"].__setitem__(0, {"weight": 0}),
+        lambda s: s["replicas"].__setitem__("min", -1),
+        lambda s: s["speculator"].__setitem__("method", "medusa"),
+        lambda s: s["model"].__setitem__("uri", "ftp://model"),
+        lambda s: s["speculator"].__setitem__("numSpeculativeTokens", 0),
+    ],
+)
+def test_invalid_examples_are_rejected_by_the_schema(example_documents, mutate):
+    serving = copy.deepcopy(next(d for d in example_documents if d["kind"] == "SpeculativeServing"))
+    mutate(serving["spec"])
+    assert list(Draft4Validator(crd_schema("SpeculativeServing")).iter_errors(serving))
+
+
+def _cel_rules(schema: dict, path=()):
+    for rule in schema.get("x-kubernetes-validations", []):
+        yield path, rule
+    for name, child in (schema.get("properties") or {}).items():
+        yield from _cel_rules(child, path + (name,))
+
+
+def _evaluate_cel(spec: dict) -> list[str]:
+    """Run every CEL rule of the spec schema on the spec, as the API server would (K8s list helpers added)."""
+    environment = celpy.Environment()
+
+    def is_sorted(values):
+        values = list(values)
+        return celpy.celtypes.BoolType(all(a <= b for a, b in zip(values, values[1:])))
+
+    failures = []
+    for path, rule in _cel_rules(crd_schema("SpeculativeServing")["properties"]["spec"]):
+        node = spec
+        for key in path:
+            node = node.get(key) if isinstance(node, dict) else None
+        if node is None:
+            continue
+        program = environment.program(environment.compile(rule["rule"]), functions={"isSorted": is_sorted})
+        if not program.evaluate({"self": celpy.json_to_cel(node)}):
+            failures.append(rule["message"])
+    return failures
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda s: s.__setitem__("replicas", {"min": 3, "max": 2}), "min must be <= max"),
+        (lambda s: s["rollout"].__setitem__("steps", [{"weight": 50}, {"weight": 10}]), "step weights must strictly increase"),
+        (lambda s: s["rollout"].__setitem__("steps", [{"weight": 50}, {"weight": 50}]), "step weights must strictly increase"),
+        (lambda s: s["speculator"].pop("draftModel"), "dflash and eagle3 need a draftModel"),
+        (lambda s: s["traffic"].pop("gateway"), "GatewayAPI mode needs a gateway"),
+        (lambda s: s.__setitem__("speculator", {"method": "none", "numSpeculativeTokens": 3}), "method none takes no numSpeculativeTokens"),
+    ],
+)
+def test_cel_rules_and_model_validators_reject_the_same_specs(example_documents, mutate, message):
+    serving = copy.deepcopy(next(d for d in example_documents if d["kind"] == "SpeculativeServing"))
+    assert _evaluate_cel(serving["spec"]) == [] and parse_serving(serving)[1] == []
+    mutate(serving["spec"])
+    assert message in _evaluate_cel(serving["spec"])
+    assert parse_serving(serving)[1], "the operator's own validation rejects it too"
+
+
+def test_chart_ships_the_generated_crds():
+    for name in all_crds():
+        assert (Path("charts/specserve/crds") / name).read_text() == (CRD_DIR / name).read_text()
+
+
+def test_cluster_role_in_the_chart_is_the_generated_one():
+    chart_role = yaml.safe_load(Path("charts/specserve/templates/clusterrole.yaml").read_text().split("\n", 1)[1])
+    assert chart_role["rules"] == cluster_role()["rules"]
+    kubernetes_validate.validate(cluster_role(), "1.30", strict=True)
+    assert all("*" not in verbs and "*" != resource for _, resource, verbs in RBAC_RULES)
+
+
+def test_api_group_and_version():
+    assert api.API_VERSION == "specserve.io/v1alpha1"

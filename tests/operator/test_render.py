@@ -1,0 +1,237 @@
+"""Pure rendering and validation: every child object, checked field by field and against real schemas."""
+
+import copy
+
+import kubernetes_validate
+import pytest
+import yaml
+from jsonschema import validate as jsonschema_validate
+
+from specserve_operator.commands import RenderError, render_file
+from specserve_operator.render import Settings, render_all, revision_hash
+from specserve_operator.validate import check_against_profile, parse_profile, parse_serving
+
+from .conftest import EXAMPLE
+
+# The HTTPRoute fields we render, as the Gateway API (v1) defines them; HTTPRoute is a CRD, so the
+# Kubernetes schemas that kubernetes-validate ships do not cover it.
+HTTPROUTE_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "gateway.networking.k8s.io/v1"},
+        "kind": {"const": "HTTPRoute"},
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "parentRefs": {"type": "array", "maxItems": 32, "items": {
+                    "type": "object", "required": ["name"], "additionalProperties": False,
+                    "properties": {"name": {"type": "string"}, "namespace": {"type": "string"}, "sectionName": {"type": "string"}},
+                }},
+                "rules": {"type": "array", "maxItems": 16, "items": {
+                    "type": "object", "additionalProperties": False,
+                    "properties": {
+                        "matches": {"type": "array", "items": {"type": "object", "properties": {"path": {
+                            "type": "object", "properties": {"type": {"enum": ["Exact", "PathPrefix", "RegularExpression"]},
+                                                             "value": {"type": "string"}}}}}},
+                        "backendRefs": {"type": "array", "maxItems": 16, "items": {
+                            "type": "object", "required": ["name"], "additionalProperties": False,
+                            "properties": {"name": {"type": "string"}, "port": {"type": "integer", "minimum": 1, "maximum": 65535},
+                                           "weight": {"type": "integer", "minimum": 0, "maximum": 1000000}},
+                        }},
+                    },
+                }},
+            },
+        },
+    },
+}
+
+
+def parsed(documents):
+    by_kind = {d["kind"]: d for d in documents}
+    serving, problems = parse_serving(copy.deepcopy(by_kind["SpeculativeServing"]))
+    profile, profile_problems = parse_profile(by_kind["ServingProfile"])
+    assert problems == [] and profile_problems == []
+    return serving, profile, by_kind["Namespace"]["metadata"]["labels"]
+
+
+def of_kind(objects, kind):
+    return [o for o in objects if o["kind"] == kind]
+
+
+@pytest.fixture
+def rendered(example_documents):
+    serving, profile, _ = parsed(example_documents)
+    serving = serving.__class__(serving.name, serving.namespace, "uid-1234", serving.spec)
+    return render_all(serving, profile, Settings(), canary_weight=10)
+
+
+def test_every_object_is_valid_for_kubernetes_1_30(rendered):
+    for obj in rendered:
+        if obj["kind"] == "HTTPRoute":
+            jsonschema_validate(obj, HTTPROUTE_SCHEMA)
+        else:
+            kubernetes_validate.validate(obj, "1.30", strict=True)
+
+
+def test_rollout_renders_stable_and_canary_with_a_weighted_route(rendered):
+    deployments = of_kind(rendered, "Deployment")
+    assert [d["metadata"]["labels"]["specserve.io/role"] for d in deployments] == ["stable", "canary"]
+    assert [d["spec"]["replicas"] for d in deployments] == [1, 1]  # min 1 replica: at least one each
+    backends = of_kind(rendered, "HTTPRoute")[0]["spec"]["rules"][0]["backendRefs"]
+    assert [(b["name"], b["weight"]) for b in backends] == [("qwen3-8b-stable", 90), ("qwen3-8b-canary", 10)]
+    configs = {c["metadata"]["name"]: yaml.safe_load(c["data"]["runtime.yaml"]) for c in of_kind(rendered, "ConfigMap")}
+    canary_config = configs[deployments[1]["metadata"]["name"]]
+    assert canary_config["method"] == "dflash" and canary_config["numSpeculativeTokens"] == 15
+    assert canary_config["drafter"] == "hf://z-lab/Qwen3-8B-DFlash-b16" and canary_config["engine"] == "vllm"
+
+
+def test_deployment_schedules_on_the_profiles_gpus_securely(rendered):
+    deployment = of_kind(rendered, "Deployment")[0]
+    pod = deployment["spec"]["template"]
+    spec, container = pod["spec"], pod["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == container["resources"]["requests"]["nvidia.com/gpu"] == "1"
+    assert container["resources"]["requests"]["cpu"] == "4"
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert spec["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    labels = pod["metadata"]["labels"]
+    assert labels["kueue.x-k8s.io/queue-name"] == "team-a-gpus"
+    assert labels["kueue.x-k8s.io/priority-class"] == "serving-high"
+    assert labels["specserve.io/tenant"] == "team-a" and labels["specserve.io/serving"] == "qwen3-8b"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert spec["securityContext"]["runAsNonRoot"] is True and spec["automountServiceAccountToken"] is False
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    assert {"name": "config", "configMap": {"name": deployment["metadata"]["name"]}} in spec["volumes"]
+    assert container["args"] == ["launch", "--config", "/etc/specserve/runtime.yaml"]
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+
+
+def test_every_child_is_owned_by_the_serving(rendered):
+    for obj in rendered:
+        owner = obj["metadata"]["ownerReferences"][0]
+        assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == ("SpeculativeServing", "qwen3-8b", "uid-1234", True)
+
+
+def test_network_policy_admits_only_the_tenant_gateway_monitoring_and_operator(rendered):
+    policy = of_kind(rendered, "NetworkPolicy")[0]
+    namespaces = [p["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] for p in policy["spec"]["ingress"][0]["from"]]
+    assert namespaces == ["gateways", "monitoring", "specserve-system", "team-a"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+
+
+def test_services_and_pdb(rendered):
+    services = {s["metadata"]["name"]: s["spec"]["selector"] for s in of_kind(rendered, "Service")}
+    assert services == {
+        "qwen3-8b": {"specserve.io/serving": "qwen3-8b"},
+        "qwen3-8b-stable": {"specserve.io/serving": "qwen3-8b", "specserve.io/role": "stable"},
+        "qwen3-8b-canary": {"specserve.io/serving": "qwen3-8b", "specserve.io/role": "canary"},
+    }
+    assert of_kind(rendered, "PodDisruptionBudget")[0]["spec"]["maxUnavailable"] == 1
+
+
+def test_revision_hash_follows_the_pod_affecting_spec_only(example_documents):
+    serving, _, _ = parsed(example_documents)
+    spec = serving.spec
+    base = revision_hash(spec.model, spec.speculator, spec.runtime)
+    assert base == revision_hash(spec.model, spec.speculator, spec.runtime)
+    changed = spec.speculator.model_copy(update={"num_speculative_tokens": 5})
+    assert revision_hash(spec.model, changed, spec.runtime) != base
+    image = spec.runtime.model_copy(update={"image": "registry.example.com/specserve-runtime:0.2.0"})
+    assert revision_hash(spec.model, spec.speculator, image) != base
+
+
+def test_replica_ratio_mode_has_no_route_and_splits_replicas(example_documents):
+    serving, profile, _ = parsed(example_documents)
+    spec = serving.spec.model_copy(update={"traffic": serving.spec.traffic.model_copy(update={"mode": "ReplicaRatio", "gateway": None}),
+                                           "replicas": serving.spec.replicas.model_copy(update={"min": 4})})
+    objects = render_all(serving.__class__(serving.name, serving.namespace, None, spec), profile, canary_weight=50)
+    assert of_kind(objects, "HTTPRoute") == []
+    assert [d["spec"]["replicas"] for d in of_kind(objects, "Deployment")] == [2, 2]
+    assert "ownerReferences" not in objects[0]["metadata"]  # no uid yet (render from a file)
+
+
+def test_hourly_budget_caps_replicas(example_documents):
+    serving, profile, _ = parsed(example_documents)
+    spec = serving.spec.model_copy(update={"replicas": serving.spec.replicas.model_copy(update={"min": 6, "max": 6})})
+    limits = profile.spec.limits.model_copy(update={"max_hourly_cost_usd": 10.0})  # 4 x $2.49 fits, 5 does not
+    profile_spec = profile.spec.model_copy(update={"limits": limits})
+    objects = render_all(serving.__class__(serving.name, serving.namespace, None, spec),
+                         profile.__class__(profile.name, profile_spec))
+    assert [d["spec"]["replicas"] for d in of_kind(objects, "Deployment")] == [4]
+
+
+@pytest.mark.parametrize(
+    "mutate, expected",
+    [
+        (lambda s: s["rollout"]["steps"].__setitem__(0, {"weight": 0}), "spec.rollout.steps[0].weight: Input should be greater than or equal to 1"),
+        (lambda s: s["rollout"]["steps"].__setitem__(1, {"weight": 5}), "spec.rollout.steps[1].weight: 5 must be greater than the previous step's weight (10)"),
+        (lambda s: s.__setitem__("replicas", {"min": 3, "max": 2}), "spec.replicas.min: 3 must be <= max (2)"),
+        (lambda s: s["speculator"].pop("draftModel"), "spec.speculator.draftModel: required for method eagle3"),
+        (lambda s: s["traffic"].pop("gateway"), "spec.traffic.gateway: required for mode GatewayAPI"),
+        (lambda s: s["model"].__setitem__("uri", "ftp://x"), "spec.model.uri: String should match pattern"),
+        (lambda s: s["speculator"].__setitem__("method", "medusa"), "spec.speculator.method: Input should be"),
+        (lambda s: s.__setitem__("replicaz", 3), "spec.replicaz: Extra inputs are not permitted"),
+    ],
+)
+def test_invalid_specs_name_the_field_path(example_documents, mutate, expected):
+    serving = copy.deepcopy(next(d for d in example_documents if d["kind"] == "SpeculativeServing"))
+    mutate(serving["spec"])
+    result, problems = parse_serving(serving)
+    assert result is None and any(p.startswith(expected) for p in problems), problems
+
+
+def test_profile_rules(example_documents):
+    serving, profile, labels = parsed(example_documents)
+    assert check_against_profile(serving, profile, labels) == []
+    assert check_against_profile(serving, None, labels) == ["spec.profile: ServingProfile 'team-a-h100' not found"]
+    assert check_against_profile(serving, profile, {"specserve.io/tenant": "team-b"}) == [
+        "spec.profile: ServingProfile 'team-a-h100' does not select namespace 'team-a'"
+    ]
+    limits = profile.spec.limits.model_copy(update={"allowed_methods": ["none", "eagle3"], "max_replicas": 4})
+    strict = profile.__class__(profile.name, profile.spec.model_copy(update={"limits": limits}))
+    assert check_against_profile(serving, strict, labels) == [
+        "spec.rollout.candidate.speculator.method: method dflash is not allowed by ServingProfile 'team-a-h100' (allowed: none, eagle3)",
+        "spec.replicas.max: 6 exceeds ServingProfile 'team-a-h100' limits.maxReplicas (4)",
+    ]
+
+
+def test_render_file_reports_every_problem_with_its_path(tmp_path, example_documents):
+    documents = copy.deepcopy(example_documents)
+    serving = next(d for d in documents if d["kind"] == "SpeculativeServing")
+    serving["spec"]["rollout"]["steps"][0]["weight"] = 150
+    serving["spec"]["replicas"]["max"] = 20
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump_all(documents))
+    with pytest.raises(RenderError) as caught:
+        render_file(path, cluster=None)
+    assert caught.value.problems == [
+        f"{path}: SpeculativeServing team-a/qwen3-8b: spec.rollout.steps[0].weight: Input should be less than or equal to 100"
+    ]
+
+
+def test_render_file_without_namespace_or_cluster_says_what_to_add(tmp_path, example_documents):
+    path = tmp_path / "no-namespace.yaml"
+    path.write_text(yaml.safe_dump_all([d for d in example_documents if d["kind"] != "Namespace"]))
+    with pytest.raises(RenderError, match="Namespace 'team-a' is not in the file and no cluster is configured"):
+        render_file(path, cluster=None)
+
+
+def test_render_command_exit_status_and_stream(tmp_path, capsys):
+    from specserve_runtime.cli import main
+
+    assert main(["render", "-f", EXAMPLE]) == 0
+    kinds = [d["kind"] for d in yaml.safe_load_all(capsys.readouterr().out)]
+    assert kinds == ["ConfigMap", "Deployment", "ConfigMap", "Deployment", "Service", "Service", "Service", "HTTPRoute",
+                     "PodDisruptionBudget", "NetworkPolicy"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("kind: SpeculativeServing\nmetadata: {name: x, namespace: team-a}\nspec: {}\n")
+    assert main(["render", "-f", str(bad)]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert any(line.endswith("spec.profile: Field required") for line in errors)
+    assert any(line.endswith("spec.model: Field required") for line in errors)
