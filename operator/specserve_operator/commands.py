@@ -139,6 +139,16 @@ def cmd_operator(args) -> int:
     return 0
 
 
+def cmd_bench_operator(args) -> int:
+    from .bench import report, run
+
+    if args.servings < 1:
+        print("specserve bench-operator: --servings must be >= 1", file=sys.stderr)
+        return 2
+    print(report(run(args.servings)))
+    return 0
+
+
 def add_commands(commands) -> None:
     render = commands.add_parser("render", help="print every object the operator would create for a file")
     render.add_argument("-f", "--file", required=True, help="YAML with SpeculativeServings (and ServingProfiles, Namespaces)")
@@ -155,6 +165,10 @@ def add_commands(commands) -> None:
     crds = commands.add_parser("crds", help="print (or write with --out DIR) the CRDs generated from the API models")
     crds.add_argument("--out")
     crds.set_defaults(run=cmd_crds)
+
+    bench = commands.add_parser("bench-operator", help="reconcile N SpeculativeServings against KMock; time and API calls")
+    bench.add_argument("--servings", type=int, default=500)
+    bench.set_defaults(run=cmd_bench_operator)
 
     rbac = commands.add_parser("rbac", help="print the operator's least-privilege ClusterRole")
     rbac.set_defaults(run=cmd_rbac)

@@ -133,13 +133,19 @@ def reconcile(cluster: Cluster, body: dict, settings: Settings) -> Outcome:
     outcome = Outcome({})
     for obj in desired:
         outcome.applied[f"{obj['kind']}/{obj['metadata']['name']}"] = cluster.apply(obj)
-    selector = f"specserve.io/serving={serving.name}"
-    existing = {kind: cluster.list(*kind, serving.namespace, selector) for kind in CHILD_KINDS}
+    existing = {kind: children(cluster, kind, serving.name, serving.namespace) for kind in CHILD_KINDS}
     outcome.status = serving_status(serving, profile, old_status, generation, existing)
     for api_version, kind, name in plan_deletions(desired, existing, is_ready(outcome.status["stable"])):
         if cluster.delete(api_version, kind, serving.namespace, name):
             outcome.deleted.append(f"{kind}/{name}")
     return outcome
+
+
+def children(cluster: Cluster, kind: tuple, name: str, namespace: str) -> list[dict]:
+    """Children of one serving. The label is checked here too: never delete what another serving owns,
+    even from an API server that ignores the selector."""
+    listed = cluster.list(*kind, namespace, f"specserve.io/serving={name}")
+    return [o for o in listed if (o.get("metadata", {}).get("labels") or {}).get("specserve.io/serving") == name]
 
 
 def is_ready(revision_status: dict) -> bool:
@@ -150,7 +156,7 @@ def cleanup(cluster: Cluster, name: str, namespace: str) -> list[str]:
     """Delete every child (owner references would cascade too; this does not depend on them)."""
     deleted = []
     for api_version, kind in CHILD_KINDS:
-        for obj in cluster.list(api_version, kind, namespace, f"specserve.io/serving={name}"):
+        for obj in children(cluster, (api_version, kind), name, namespace):
             if cluster.delete(api_version, kind, namespace, obj["metadata"]["name"]):
                 deleted.append(f"{kind}/{obj['metadata']['name']}")
     return deleted

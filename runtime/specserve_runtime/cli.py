@@ -192,6 +192,36 @@ def cmd_launch(args) -> None:
     os.execvp(command[0], command)  # an argument list, never a shell
 
 
+def cmd_bench(args) -> None:
+    from .bench import run_bench, summarize, table
+    from .loader import load_model
+    from .training.prompts import PROMPTS_FILE
+
+    methods = [m for m in args.methods.split(",") if m]
+    baselines = [b for b in (args.baselines or "").split(",") if b]
+    unknown = [m for m in methods if m not in METHODS] + [b for b in baselines if b not in ("hf", "prompt-lookup")]
+    if unknown:
+        raise UsageError(f"unknown method or baseline: {', '.join(unknown)} (methods {', '.join(METHODS)}; baselines hf, prompt-lookup)")
+    if args.repeats < 1 or args.max_new_tokens < 1:
+        raise UsageError("--repeats and --max-new-tokens must be >= 1")
+    if args.prompts_file:
+        prompts = [{"prompt": p} for p in read_prompts(args)]
+    else:  # the project's held-out evaluation split, a few prompts of each kind
+        from .training.prompts import read_prompts as read_prompt_set
+
+        prompts = []
+        for category in ("math", "code", "explain", "chat"):
+            prompts += read_prompt_set(PROMPTS_FILE, split="eval", category=category)[: args.per_category]
+    baselines = ["greedy" if b == "hf" else b for b in baselines]
+    model = load_model(args.model)
+    stats = run_bench(model, methods, baselines, prompts[: args.limit], args.max_new_tokens, args.repeats,
+                      args.temperature, {}, log=lambda message: print(message, file=sys.stderr, flush=True))
+    summary = summarize(stats)
+    print(table(summary))
+    if args.json:
+        print(json.dumps(summary))
+
+
 def build_parser() -> Parser:
     from .store import DEFAULT_MODEL
 
@@ -234,6 +264,20 @@ def build_parser() -> Parser:
     launch.add_argument("--config", required=True)
     launch.add_argument("--dry-run", action="store_true", help="print the exact command instead of running it")
     launch.set_defaults(run=cmd_launch)
+
+    bench = commands.add_parser("bench", help="methods side by side: acceptance, tokens/s, speed-up, losslessness")
+    bench.add_argument("--methods", default="ar,ngram,eagle3,dflash")
+    bench.add_argument("--baselines", help="comma list: hf (transformers generate), prompt-lookup (its assisted mode)")
+    bench.add_argument("--model", default=DEFAULT_MODEL)
+    bench.add_argument("--prompts-file", help='JSONL with a "prompt" field (default: the held-out split)')
+    bench.add_argument("--prompt", help=argparse.SUPPRESS)
+    bench.add_argument("--per-category", type=int, default=4, help="held-out prompts per category (default set)")
+    bench.add_argument("--limit", type=int)
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--repeats", type=int, default=1)
+    bench.add_argument("--temperature", type=float, default=0.0)
+    bench.add_argument("--json", action="store_true", help="the last line of stdout is a JSON summary")
+    bench.set_defaults(run=cmd_bench)
 
     distill = commands.add_parser("distill", help="generate self-distilled drafter training data (resumable)")
     distill.add_argument("--out", required=True, help="data folder (shards are skipped if present)")

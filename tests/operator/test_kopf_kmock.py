@@ -1,6 +1,7 @@
 """The real operator (kopf + our handlers) against KMock, the Kubernetes API emulator."""
 
 import asyncio
+import copy
 import uuid
 
 import pytest
@@ -190,3 +191,17 @@ async def test_every_api_call_is_allowed_by_the_cluster_role(operator, serving, 
     calls = used - {c for c in ours if c not in allowed}
     assert calls - allowed == set(), calls - allowed
     assert ("apps", "deployments", "create") in calls and ("", "events", "create") in calls
+
+
+async def test_servings_in_one_namespace_never_touch_each_others_children(operator, serving, profile):
+    """KMock ignores label selectors, like a misbehaving API server would: children are still kept apart."""
+    await create(operator, profile)
+    other = copy.deepcopy(serving)
+    other["metadata"]["name"] = "llama"
+    await create(operator, with_uid(serving))
+    await create(operator, with_uid(other))
+    expected = ["llama", "llama-canary", "llama-stable", "qwen3-8b", "qwen3-8b-canary", "qwen3-8b-stable"]
+    assert await eventually(lambda: live(operator, "v1/services") == expected)
+    await asyncio.sleep(1.0)  # several resyncs of both
+    assert live(operator, "v1/services") == expected
+    assert requests_to(operator, "DELETE", "v1/services") == []

@@ -5,6 +5,7 @@ verifies every guess, so no proposer can change the output, only the speed.
 """
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Protocol
 
 import torch
@@ -47,6 +48,21 @@ class ProposerOptions:
     num_speculative_tokens: int | None = None  # drafts per step (dflash: block size - 1)
     mask_token_id: int | None = None  # dflash with a random drafter: the mask token to record
     seed: int = 0
+
+
+# Drafters trained by the project for the default target (see each folder's CARD.md).
+BUNDLED = Path(__file__).parent / "weights"
+DEFAULT_DRAFTERS = {"dflash": BUNDLED / "smollm2-135m-instruct-dflash", "eagle3": BUNDLED / "smollm2-135m-instruct-eagle3"}
+
+
+def drafter_source(method: str, options: "ProposerOptions") -> str:
+    """The drafter to load: the user's choice, else the bundled one for the default target."""
+    if options.drafter:
+        return options.drafter
+    bundled = DEFAULT_DRAFTERS[method]
+    if not (bundled / "config.json").is_file():
+        raise DrafterError(f"no trained {method} drafter is bundled: pass --drafter PATH or --drafter random")
+    return str(bundled)
 
 
 def check_layer_ids(layer_ids: tuple[int, ...], num_target_layers: int) -> None:

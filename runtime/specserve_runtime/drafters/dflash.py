@@ -17,7 +17,7 @@ from torch import nn
 from ..kv_cache import KVCache
 from ..layers import RMSNorm, RotaryEmbedding
 from ..model import DecoderLayer, ModelConfig, Transformer
-from . import DrafterError, ProposerOptions, check_layer_ids, check_matches_target, checkpoint
+from . import DrafterError, ProposerOptions, check_layer_ids, check_matches_target, checkpoint, drafter_source
 
 DEFAULT_BLOCK_SIZE = 8
 # SmolLM2 has no mask token and no free embedding row. <empty_output> (id 16) is a special token
@@ -258,16 +258,15 @@ def export_speculators(
 
 
 def build_dflash(target: Transformer, options: ProposerOptions) -> DFlashProposer:
-    if options.drafter is None:
-        raise DrafterError("no trained DFlash drafter ships for this model yet: pass --drafter PATH or --drafter random")
-    if options.drafter == "random":
+    source = drafter_source("dflash", options)
+    if source == "random":
         if options.mask_token_id is None:
             raise DrafterError("a random DFlash drafter needs a mask token id")
         block_size = options.num_speculative_tokens + 1 if options.num_speculative_tokens else DEFAULT_BLOCK_SIZE
         config = DFlashConfig.for_target(target.config, 2, block_size, options.mask_token_id)
         drafter = random_drafter(config, options.seed)
     else:
-        drafter = load_dflash(options.drafter)
+        drafter = load_dflash(source)
     check_matches_target("dflash", drafter.config, target.config)
     max_drafts = drafter.config.block_size - 1
     num_tokens = options.num_speculative_tokens or max_drafts

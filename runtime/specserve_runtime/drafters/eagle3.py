@@ -15,7 +15,7 @@ from torch import nn
 from ..kv_cache import KVCache
 from ..layers import MLP, Attention, RMSNorm, RotaryEmbedding, causal_mask
 from ..model import ModelConfig, Transformer
-from . import DrafterError, ProposerOptions, check_layer_ids, check_matches_target, checkpoint
+from . import DrafterError, ProposerOptions, check_layer_ids, check_matches_target, checkpoint, drafter_source
 
 DEFAULT_TOKENS = 4
 
@@ -165,13 +165,12 @@ def save_eagle3(drafter: Eagle3Drafter, folder: str | Path, dtype: torch.dtype |
 
 
 def build_eagle3(target: Transformer, options: ProposerOptions) -> Eagle3Proposer:
-    if options.drafter is None:
-        raise DrafterError("no trained EAGLE-3 drafter ships for this model yet: pass --drafter PATH or --drafter random")
-    if options.drafter == "random":
+    source = drafter_source("eagle3", options)
+    if source == "random":
         with torch.random.fork_rng():
             torch.manual_seed(options.seed)
             drafter = Eagle3Drafter(Eagle3Config.for_target(target.config)).eval().requires_grad_(False)
     else:
-        drafter = load_eagle3(options.drafter)
+        drafter = load_eagle3(source)
     check_matches_target("eagle3", drafter.config, target.config)
     return Eagle3Proposer(target, drafter, options.num_speculative_tokens or DEFAULT_TOKENS)

@@ -1,0 +1,153 @@
+"""`specserve bench`: the methods side by side in one process, prompt by prompt, with losslessness checked.
+
+Every method runs on the same prompt before the next prompt starts (interleaved), so machine
+noise hits all methods alike; each timing is the median of `repeats` runs.
+"""
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .drafters import ProposerOptions
+from .engine import Request
+from .loader import LoadedModel, build_engine
+from .verify import SamplingParams
+
+
+@dataclass
+class MethodStats:
+    tokens: int = 0
+    target_forwards: int = 0
+    accepted: int = 0
+    drafts: int = 0
+    per_position: list[int] = field(default_factory=list)
+    decode_tps: list[float] = field(default_factory=list)  # per prompt: median over repeats
+    e2e_tps: list[float] = field(default_factory=list)
+    decode_seconds: float = 0.0
+    lossless: bool = True
+    by_category: dict[str, list[float]] = field(default_factory=dict)  # category -> per-prompt tau
+
+    @property
+    def acceptance_length(self) -> float:
+        return 1 + self.accepted / self.target_forwards if self.target_forwards else 1.0
+
+
+def _median_run(run, repeats: int):
+    results = [run() for _ in range(repeats)]
+    return sorted(results, key=lambda r: r[1])[len(results) // 2]
+
+
+def run_bench(model: LoadedModel, methods: list[str], baselines: list[str], prompts: list[dict], max_new_tokens: int,
+              repeats: int, temperature: float, drafters: dict[str, str | None], log=print) -> dict[str, MethodStats]:
+    engines = {m: build_engine(model, m, ProposerOptions(drafters.get(m))) for m in methods}
+    stats = {name: MethodStats() for name in methods + [f"hf-{b}" for b in baselines]}
+    hf_model = _hf_model(model) if baselines else None
+    sampling = SamplingParams(temperature=temperature)
+    warmup = model.encode(prompts[0]["prompt"])  # first calls pay for allocation and kernel selection
+    for engine in engines.values():
+        engine.generate(Request(warmup, 8))
+    for baseline in baselines:
+        _hf_generate(hf_model, warmup, 8, baseline)
+    for index, record in enumerate(prompts):
+        ids = model.encode(record["prompt"])
+        reference = None
+        for method in methods:
+            def run(method=method):
+                started = time.perf_counter()
+                result = engines[method].generate(Request(ids, max_new_tokens, sampling, seed=index))
+                return result, time.perf_counter() - started
+
+            result, seconds = _median_run(run, repeats)
+            s = stats[method]
+            s.tokens += len(result.token_ids)
+            s.target_forwards += result.target_forwards
+            s.accepted += result.num_accepted_tokens
+            s.drafts += result.num_drafts
+            s.per_position += [0] * (len(result.accepted_per_position) - len(s.per_position))
+            for position, count in enumerate(result.accepted_per_position):
+                s.per_position[position] += count
+            s.decode_tps.append(len(result.token_ids) / max(result.decode_seconds, 1e-9))
+            s.e2e_tps.append(len(result.token_ids) / seconds)
+            s.decode_seconds += result.decode_seconds
+            s.by_category.setdefault(record.get("category", "all"), []).append(result.acceptance_length)
+            if method == "ar":
+                reference = result.token_ids
+            elif reference is not None and temperature == 0 and result.token_ids != reference:
+                s.lossless = False
+        for baseline in baselines:
+            tokens, seconds = _median_run(lambda b=baseline: _hf_generate(hf_model, ids, max_new_tokens, b), repeats)
+            s = stats[f"hf-{baseline}"]
+            s.tokens += len(tokens)
+            s.e2e_tps.append(len(tokens) / seconds)
+            if reference is not None and tokens != reference[: len(tokens)]:
+                s.lossless = False
+        log(f"[{index + 1}/{len(prompts)}] {record.get('category', '')}: "
+            + ", ".join(f"{m} {stats[m].e2e_tps[-1]:.1f} tok/s" for m in stats))
+    return stats
+
+
+def _hf_model(model: LoadedModel):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model.folder, dtype=torch.float32).eval()
+
+
+def _hf_generate(hf_model, ids: list[int], max_new_tokens: int, baseline: str):
+    extra = {"prompt_lookup_num_tokens": 10} if baseline == "prompt-lookup" else {}
+    started = time.perf_counter()
+    with torch.inference_mode():
+        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, **extra)
+    tokens = out[0, len(ids):].tolist()
+    eos = hf_model.generation_config.eos_token_id
+    eos = set(eos) if isinstance(eos, list) else {eos}
+    tokens = next((tokens[:i] for i, t in enumerate(tokens) if t in eos), tokens)
+    return tokens, time.perf_counter() - started
+
+
+def summarize(stats: dict[str, MethodStats]) -> dict:
+    ar = stats.get("ar")
+    ar_decode = statistics.median(ar.decode_tps) if ar else None
+    summary = {}
+    for name, s in stats.items():
+        tps = statistics.median(s.e2e_tps) if s.e2e_tps else 0.0
+        entry = {
+            "acceptance_length": round(s.acceptance_length, 3) if not name.startswith("hf-") else None,
+            "tokens_per_second": round(tps, 2),
+            "decode_tokens_per_second": round(statistics.median(s.decode_tps), 2) if s.decode_tps else None,
+            "speedup_vs_ar": round(statistics.median(s.decode_tps) / ar_decode, 3) if s.decode_tps and ar_decode else
+            (round(tps / statistics.median(ar.e2e_tps), 3) if ar else None),
+            "lossless": s.lossless,
+            "acceptance_per_position": [round(c / s.drafts, 3) for c in s.per_position] if s.drafts else [],
+            "acceptance_length_by_category": {c: round(statistics.mean(v), 3) for c, v in sorted(s.by_category.items())},
+        }
+        summary[name] = entry
+    return {"methods": summary}
+
+
+def table(summary: dict) -> str:
+    rows = [("method", "tau", "tok/s", "decode tok/s", "speed-up vs ar", "lossless", "per-position acceptance")]
+    for name, e in summary["methods"].items():
+        rows.append((
+            name,
+            "-" if e["acceptance_length"] is None else f"{e['acceptance_length']:.2f}",
+            f"{e['tokens_per_second']:.1f}",
+            "-" if e["decode_tokens_per_second"] is None else f"{e['decode_tokens_per_second']:.1f}",
+            "-" if e["speedup_vs_ar"] is None else f"{e['speedup_vs_ar']:.2f}x",
+            "yes" if e["lossless"] else "NO",
+            " ".join(f"{p:.2f}" for p in e["acceptance_per_position"][:8]) or "-",
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths)) + " |" for row in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    categories = sorted({c for e in summary["methods"].values() for c in e["acceptance_length_by_category"]})
+    if len(categories) > 1:
+        lines.append("")
+        lines.append("| tau by category | " + " | ".join(categories) + " |")
+        lines.append("|---|" + "---|" * len(categories))
+        for name, e in summary["methods"].items():
+            if e["acceptance_length"] is not None:
+                lines.append(f"| {name} | " + " | ".join(f"{e['acceptance_length_by_category'].get(c, 0):.2f}" for c in categories) + " |")
+    return "\n".join(lines)
+
