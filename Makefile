@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.specserve-installed
 
-.PHONY: setup run test
+.PHONY: setup run test prometheus
 
 $(STAMP): pyproject.toml tests/requirements-speculators.txt
 	test -x $(BIN)/python || python3 -m venv $(VENV)
@@ -22,5 +22,9 @@ run: setup
 	$(BIN)/specserve generate --method dflash --drafter random --max-new-tokens 64 \
 		--prompt "Natalia sold clips to 48 friends in April, and half as many in May. How many clips did she sell in total?"
 
-test: setup
+# The metrics tests scrape the runtime with a real Prometheus server (Debian's package).
+prometheus:
+	command -v prometheus >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus)
+
+test: setup prometheus
 	$(BIN)/python -m pytest -q
