@@ -104,8 +104,11 @@ async def test_invalid_resource_is_reported_and_creates_nothing(operator, servin
     condition = next(c for c in status["conditions"] if c["type"] == "SpecValid")
     assert condition["status"] == "False" and "spec.speculator.draftModel: required for method dflash" in condition["message"]
     assert live(operator, DEPLOYMENTS) == [] and live(operator, "v1/services") == []
-    events = [key for key, obj in operator.objects.items() if key[0].plural == "events" and "InvalidSpec" in str(obj.last.raw)]
-    assert events, "a Warning event names the problem"
+    def warning_events():
+        return [obj for key, obj in operator.objects.items()
+                if key[0].plural == "events" and "spec.speculator.draftModel" in str(obj.last.raw)]
+
+    assert await eventually(warning_events), "a Warning event names the problem"
 
 
 async def test_invalid_update_leaves_what_serves_untouched(operator, serving, profile):
