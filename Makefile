@@ -19,7 +19,7 @@ setup: $(STAMP)
 	$(BIN)/specserve pull
 
 run: setup
-	$(BIN)/specserve generate --method dflash --drafter random --max-new-tokens 64 \
+	$(BIN)/specserve generate --method dflash --max-new-tokens 64 \
 		--prompt "Natalia sold clips to 48 friends in April, and half as many in May. How many clips did she sell in total?"
 
 # The metrics tests scrape the runtime with a real Prometheus server (Debian's package).

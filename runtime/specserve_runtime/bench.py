@@ -151,3 +151,34 @@ def table(summary: dict) -> str:
                 lines.append(f"| {name} | " + " | ".join(f"{e['acceptance_length_by_category'].get(c, 0):.2f}" for c in categories) + " |")
     return "\n".join(lines)
 
+
+
+def decode_floor(model: LoadedModel, prefix: int = 300, runs: int = 20) -> dict:
+    """One-token decode step of the engine against the bare chain of the model's matrix products."""
+    target = model.target
+    weights = [m.weight for m in target.modules() if isinstance(m, torch.nn.Linear) and m is not target.lm_head]
+    weights.append(target.lm_head.weight)
+    x = torch.randn(1, target.config.hidden_size)
+
+    def matmul_chain():
+        for w in weights:  # input widths differ (MLP down projection), so feed each its own input
+            torch.nn.functional.linear(x if w.shape[1] == x.shape[1] else torch.randn(1, w.shape[1]), w)
+
+    cache = target.new_cache(prefix + runs + 1)
+    target(torch.randint(0, 1000, (prefix,)), cache)
+
+    def decode_step():
+        target(torch.tensor([5]), cache)
+        cache.crop(prefix)
+
+    timings = {}
+    for name, fn in (("decode_step_ms", decode_step), ("matmul_floor_ms", matmul_chain)):
+        fn()
+        samples = []
+        for _ in range(runs):
+            started = time.perf_counter()
+            with torch.inference_mode():
+                fn()
+            samples.append((time.perf_counter() - started) * 1000)
+        timings[name] = round(statistics.median(samples), 2)
+    return timings

@@ -193,7 +193,7 @@ def cmd_launch(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from .bench import run_bench, summarize, table
+    from .bench import decode_floor, run_bench, summarize, table
     from .loader import load_model
     from .training.prompts import PROMPTS_FILE
 
@@ -217,7 +217,12 @@ def cmd_bench(args) -> None:
     stats = run_bench(model, methods, baselines, prompts[: args.limit], args.max_new_tokens, args.repeats,
                       args.temperature, {}, log=lambda message: print(message, file=sys.stderr, flush=True))
     summary = summarize(stats)
+    if args.kernels:
+        summary["kernels"] = decode_floor(model)
     print(table(summary))
+    if args.kernels:
+        print(f"\none decode step (300-token prefix): {summary['kernels']['decode_step_ms']} ms; "
+              f"bare matrix-product chain: {summary['kernels']['matmul_floor_ms']} ms")
     if args.json:
         print(json.dumps(summary))
 
@@ -276,6 +281,7 @@ def build_parser() -> Parser:
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--repeats", type=int, default=1)
     bench.add_argument("--temperature", type=float, default=0.0)
+    bench.add_argument("--kernels", action="store_true", help="also time one decode step against the matmul floor")
     bench.add_argument("--json", action="store_true", help="the last line of stdout is a JSON summary")
     bench.set_defaults(run=cmd_bench)
 
