@@ -34,7 +34,6 @@ def test_crds_are_valid_kubernetes_objects_with_subresources_and_columns():
         version = crd["spec"]["versions"][0]
         assert "status" in version["subresources"]
         assert version["additionalPrinterColumns"] and crd["spec"]["names"]["shortNames"]
-    scale = crd_schema  # noqa: F841 (documentation: SpeculativeServing has /scale, ServingProfile does not)
     servings = yaml.safe_load((CRD_DIR / "specserve.io_speculativeservings.yaml").read_text())
     assert servings["spec"]["versions"][0]["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas.desired"
     assert servings["spec"]["scope"] == "Namespaced"

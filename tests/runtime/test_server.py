@@ -200,6 +200,40 @@ async def test_full_queue_answers_429_and_disconnect_stops_generation(smollm2):
         server.worker.stop()
 
 
+def test_sigterm_finishes_in_flight_requests_then_exits(smollm2):
+    """Kubernetes stops a pod with SIGTERM: readiness fails, the running stream still completes."""
+    import signal
+    import threading
+
+    port = free_port()
+    process = subprocess.Popen([specserve_bin(), "serve", "--method", "ar", "--port", str(port)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    wait_ready(base, process)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    chunks = []
+
+    def stream():
+        for chunk in client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0,
+                                               max_tokens=48, stream=True):
+            chunks.append(chunk)
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    while not chunks:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    reader.join(timeout=120)
+    assert process.wait(timeout=60) == 0
+    assert chunks[-1].choices[0].finish_reason == "length"  # finished, not cut off
+    assert "".join(c.choices[0].text for c in chunks) == ar_text(smollm2, "Once upon a time", 48)
+
+
+def ar_text(model, prompt: str, max_tokens: int) -> str:
+    result = build_engine(model, "ar").generate(Request(model.encode(prompt, raw=True), max_tokens))
+    return result.text
+
+
 @pytest.mark.parametrize(
     "method, drafter, tokens, expected",
     [
