@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .drafters import ProposerOptions
 from .engine import Request
 from .loader import LoadedModel, build_engine
 from .verify import SamplingParams
@@ -40,8 +39,8 @@ def _median_run(run, repeats: int):
 
 
 def run_bench(model: LoadedModel, methods: list[str], baselines: list[str], prompts: list[dict], max_new_tokens: int,
-              repeats: int, temperature: float, drafters: dict[str, str | None], log=print) -> dict[str, MethodStats]:
-    engines = {m: build_engine(model, m, ProposerOptions(drafters.get(m))) for m in methods}
+              repeats: int, temperature: float, log=print) -> dict[str, MethodStats]:
+    engines = {m: build_engine(model, m) for m in methods}  # eagle3 / dflash: the bundled drafters
     stats = {name: MethodStats() for name in methods + [f"hf-{b}" for b in baselines]}
     hf_model = _hf_model(model) if baselines else None
     sampling = SamplingParams(temperature=temperature)

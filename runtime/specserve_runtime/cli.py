@@ -18,10 +18,10 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
-def read_prompts(args) -> list[str]:
-    if args.prompt is not None:
-        return [args.prompt]
-    path = Path(args.prompts_file)
+def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
+    if prompt is not None:
+        return [prompt]
+    path = Path(prompts_file)
     if not path.is_file():
         raise UsageError(f"--prompts-file {path}: no such file")
     prompts = []
@@ -66,7 +66,7 @@ def cmd_generate(args) -> None:
     from .loader import build_engine, load_model
     from .verify import SamplingParams
 
-    prompts = read_prompts(args)
+    prompts = read_prompts(args.prompt, args.prompts_file)
     num_tokens = speculative_tokens(args)
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -205,7 +205,7 @@ def cmd_bench(args) -> None:
     if args.repeats < 1 or args.max_new_tokens < 1:
         raise UsageError("--repeats and --max-new-tokens must be >= 1")
     if args.prompts_file:
-        prompts = [{"prompt": p} for p in read_prompts(args)]
+        prompts = [{"prompt": p} for p in read_prompts(None, args.prompts_file)]
     else:  # the project's held-out evaluation split, a few prompts of each kind
         from .training.prompts import read_prompts as read_prompt_set
 
@@ -215,7 +215,7 @@ def cmd_bench(args) -> None:
     baselines = ["greedy" if b == "hf" else b for b in baselines]
     model = load_model(args.model)
     stats = run_bench(model, methods, baselines, prompts[: args.limit], args.max_new_tokens, args.repeats,
-                      args.temperature, {}, log=lambda message: print(message, file=sys.stderr, flush=True))
+                      args.temperature, log=lambda message: print(message, file=sys.stderr, flush=True))
     summary = summarize(stats)
     if args.kernels:
         summary["kernels"] = decode_floor(model)
@@ -275,7 +275,6 @@ def build_parser() -> Parser:
     bench.add_argument("--baselines", help="comma list: hf (transformers generate), prompt-lookup (its assisted mode)")
     bench.add_argument("--model", default=DEFAULT_MODEL)
     bench.add_argument("--prompts-file", help='JSONL with a "prompt" field (default: the held-out split)')
-    bench.add_argument("--prompt", help=argparse.SUPPRESS)
     bench.add_argument("--per-category", type=int, default=4, help="held-out prompts per category (default set)")
     bench.add_argument("--limit", type=int)
     bench.add_argument("--max-new-tokens", type=int, default=128)

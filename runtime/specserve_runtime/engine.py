@@ -54,6 +54,10 @@ class Result:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
 
+    @classmethod
+    def empty(cls, request: "Request") -> "Result":
+        return cls([], "", "", len(request.prompt_ids), 0, 0, 0, 0)
+
     @property
     def acceptance_length(self) -> float:
         """Tokens committed per verify forward, the target's own (bonus) token included."""
@@ -96,7 +100,7 @@ class Engine:
     def stream(self, request: Request, stats: Result | None = None) -> Iterator[Step]:
         """Yield each target forward's committed tokens; `stats`, if given, is filled as it goes."""
         target, proposer = self.target, self.proposer
-        stats = stats or _empty_result(request)
+        stats = stats or Result.empty(request)
         stopper = StopChecker(self.tokenizer, self.eos_ids, request)
         generator = torch.Generator().manual_seed(request.seed)
         # Room for the prompt, every new token and one block of drafts past the last one.
@@ -132,7 +136,7 @@ class Engine:
         stats.token_ids, stats.text, stats.finish_reason = stopper.token_ids, stopper.text(), step.finish_reason
 
     def generate(self, request: Request) -> Result:
-        result = _empty_result(request)
+        result = Result.empty(request)
         for _ in self.stream(request, result):
             pass
         return result
@@ -159,6 +163,3 @@ def _record(stats: Result, num_draft_tokens: int, num_accepted: int) -> None:
         for position in range(num_accepted):
             stats.accepted_per_position[position] += 1
 
-
-def _empty_result(request: Request) -> Result:
-    return Result([], "", "", len(request.prompt_ids), 0, 0, 0, 0)

@@ -95,7 +95,7 @@ class Worker:
         metrics.of(metrics.queue_time).observe(started - job.arrived)
         metrics.of(metrics.running).inc()
         metrics.of(metrics.prompt_tokens).inc(len(job.request.prompt_ids))
-        result = Result([], "", "", len(job.request.prompt_ids), 0, 0, 0, 0)
+        result = Result.empty(job.request)
         try:
             last = None
             for step in self.engine.stream(job.request, result):
