@@ -45,9 +45,17 @@ async def _reconcile_and_report(body, memo: kopf.Memo, logger) -> dict:
     return await asyncio.to_thread(_reconcile_blocking, body, memo, logger)
 
 
+def _lock(meta) -> threading.Lock:
+    return _LOCKS[(meta.get("namespace"), meta.get("name"), meta.get("uid"))]
+
+
 def _reconcile_blocking(body, memo: kopf.Memo, logger) -> dict:
     meta = body.get("metadata") or {}
-    with _LOCKS[(meta.get("namespace"), meta.get("name"), meta.get("uid"))]:
+    with _lock(meta):
+        # A resync that waited for the lock while the delete handler cleaned up must not recreate
+        # children. kopf's body is a live view, so the deletion is visible here by then.
+        if (body.get("metadata") or {}).get("deletionTimestamp"):
+            return {}
         outcome = reconcile(memo.cluster, dict(body), memo.settings)
     if outcome.problems:
         RECONCILES.labels("invalid").inc()
@@ -75,9 +83,18 @@ async def serving_resync(body, patch: kopf.Patch, memo: kopf.Memo, logger, **_):
 
 
 @kopf.on.delete(*SERVINGS)
-async def serving_deleted(name, namespace, memo: kopf.Memo, logger, **_):
-    deleted = await asyncio.to_thread(cleanup, memo.cluster, name, namespace)
+async def serving_deleted(body, name, namespace, memo: kopf.Memo, logger, **_):
+    deleted = await asyncio.to_thread(_cleanup_blocking, body, name, namespace, memo)
     logger.info("deleted %s", deleted)
+
+
+def _cleanup_blocking(body, name, namespace, memo: kopf.Memo) -> list[str]:
+    """Under the object's lock, so that a resync in flight cannot re-apply children behind the cleanup."""
+    meta = body.get("metadata") or {}
+    with _lock(meta):
+        deleted = cleanup(memo.cluster, name, namespace)
+    _LOCKS.pop((meta.get("namespace"), meta.get("name"), meta.get("uid")), None)
+    return deleted
 
 
 @kopf.on.create(*PROFILES)

@@ -2,6 +2,7 @@
 
 import asyncio
 import copy
+import time
 import uuid
 
 import pytest
@@ -159,6 +160,29 @@ async def test_delete_cleans_up_every_child(operator, serving, profile):
     await asyncio.to_thread(client.delete, "specserve.io/v1alpha1", "SpeculativeServing", "team-a", "qwen3-8b")
     for resource in (DEPLOYMENTS, "v1/services", "v1/configmaps", "policy/v1/poddisruptionbudgets", "networking.k8s.io/v1/networkpolicies"):
         assert await eventually(lambda: live(operator, resource) == []), resource
+
+
+async def test_delete_during_a_slow_resync_leaves_no_child_behind(operator, serving, profile, monkeypatch):
+    """A resync in flight when the serving is deleted must not re-apply children behind the cleanup."""
+    from specserve_operator.apply import Cluster
+
+    apply = Cluster.apply
+
+    def slow_apply(self, obj):
+        time.sleep(0.1)  # a slow API server: with 0.3 s resyncs, some reconcile is nearly always in flight
+        return apply(self, obj)
+
+    await create(operator, profile)
+    await create(operator, with_uid(serving))
+    await eventually(lambda: live(operator, "networking.k8s.io/v1/networkpolicies"))
+    monkeypatch.setattr(Cluster, "apply", slow_apply)
+    await asyncio.sleep(0.5)
+    client = cluster_client(operator)
+    await asyncio.to_thread(client.delete, "specserve.io/v1alpha1", "SpeculativeServing", "team-a", "qwen3-8b")
+    assert await eventually(lambda: live(operator, SERVINGS_RESOURCE) == [])  # the finalizer was released
+    await asyncio.sleep(1.5)  # any reconcile still queued has run by now
+    for resource in (DEPLOYMENTS, "v1/services", "v1/configmaps", "policy/v1/poddisruptionbudgets", "networking.k8s.io/v1/networkpolicies"):
+        assert live(operator, resource) == [], resource
 
 
 VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "UPDATE": "patch", "DELETE": "delete"}
