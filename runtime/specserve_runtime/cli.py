@@ -107,9 +107,13 @@ def result_record(index: int, result) -> dict:
 
 def cmd_export_drafter(args) -> None:
     from .drafters.dflash import export_speculators, load_dflash
+    from .drafters.vocab import draft_token_ids
+    from .loader import load_model
 
     drafter = load_dflash(args.drafter)
-    export_speculators(drafter, args.out, args.verifier, args.verifier_architectures)
+    # A reduced draft vocabulary ships its own LM head rows, cut from the target's.
+    target = load_model(args.model).target if draft_token_ids(drafter) is not None else None
+    export_speculators(drafter, args.out, args.verifier, args.verifier_architectures, target)
     print(f"wrote a speculators-format DFlash checkpoint to {args.out}", file=sys.stderr)
 
 
@@ -135,7 +139,7 @@ def cmd_train_drafter(args) -> None:
         if not Path(folder).is_dir():
             raise UsageError(f"{flag} {folder}: no such folder (run `specserve distill` first)")
     settings = {k: getattr(args, k) for k in ("steps", "lr", "seed", "block_size", "num_layers", "anchors", "gamma", "depth",
-                                              "eval_every", "checkpoint_every") if getattr(args, k) is not None}
+                                              "draft_vocab_size", "eval_every", "checkpoint_every") if getattr(args, k) is not None}
     config = TrainConfig(method=args.method, data=data, eval_data=eval_data, out=args.out, **settings)
     model = load_model(args.model)
     summary = train(config, model.target, model.mask_token_id(), log=lambda message: print(message, file=sys.stderr))
@@ -301,7 +305,7 @@ def build_parser() -> Parser:
     trainer.add_argument("--data", help="distilled training data (default: the cache's distill-v1)")
     trainer.add_argument("--eval-data", help="distilled held-out data (default: the cache's distill-v1-eval)")
     for flag, kind in (("--steps", int), ("--lr", float), ("--seed", int), ("--block-size", int), ("--num-layers", int),
-                       ("--anchors", int), ("--gamma", float), ("--depth", int), ("--eval-every", int),
+                       ("--anchors", int), ("--gamma", float), ("--depth", int), ("--draft-vocab-size", int), ("--eval-every", int),
                        ("--checkpoint-every", int)):
         trainer.add_argument(flag, type=kind)
     trainer.set_defaults(run=cmd_train_drafter)
@@ -310,6 +314,7 @@ def build_parser() -> Parser:
     export.add_argument("--drafter", required=True, help="z-lab layout checkpoint folder")
     export.add_argument("--out", required=True, help="output folder")
     export.add_argument("--verifier", default="HuggingFaceTB/SmolLM2-135M-Instruct", help="target model id for vLLM")
+    export.add_argument("--model", default=DEFAULT_MODEL, help="the target (NAME|PATH): a reduced draft vocabulary needs its LM head")
     export.add_argument("--verifier-architectures", nargs="+", default=["LlamaForCausalLM"])
     export.set_defaults(run=cmd_export_drafter)
 

@@ -7,7 +7,8 @@ import torch
 
 from specserve_runtime.drafters import ProposerOptions, build_proposer
 from specserve_runtime.drafters.dflash import DFlashConfig, DFlashProposer, load_dflash, random_drafter
-from specserve_runtime.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Proposer
+from specserve_runtime.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Proposer, load_eagle3
+from specserve_runtime.drafters.vocab import DraftHead, draft_token_ids, set_draft_vocab
 from specserve_runtime.training.recipes import (
     accepted_prefix,
     block_mask,
@@ -44,10 +45,18 @@ def test_position_weights_decay_from_one():
     assert accepted_prefix(torch.tensor([[True, True, False, True], [False, True, True, True]])).tolist() == [2, 0]
 
 
-def test_dflash_training_forward_equals_inference_drafts(tiny_llama):
+DRAFT_VOCAB = torch.arange(0, 96, 2)  # every other token of the tiny target's 96
+
+
+@pytest.mark.parametrize("draft_vocab", [None, DRAFT_VOCAB], ids=["full-vocab", "reduced-vocab"])
+def test_dflash_training_forward_equals_inference_drafts(tiny_llama, draft_vocab):
     """Every packed block of the training forward computes what the proposer computes at that point."""
-    config = DFlashConfig.for_target(tiny_llama.config, 2, 4, mask_token_id=95, num_taps=3)
+    vocab_size = None if draft_vocab is None else draft_vocab.numel()
+    config = DFlashConfig.for_target(tiny_llama.config, 2, 4, mask_token_id=95, num_taps=3, draft_vocab_size=vocab_size)
     drafter = random_drafter(config, seed=3)
+    if draft_vocab is not None:
+        set_draft_vocab(drafter, draft_vocab)
+    head = DraftHead(tiny_llama.lm_head.weight, draft_token_ids(drafter))
     tokens = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(6))
     taps = tiny_llama(tokens, tiny_llama.new_cache(32), tap_layers=config.target_layer_ids).taps
     anchors = torch.tensor([9, 14, 20])
@@ -57,7 +66,9 @@ def test_dflash_training_forward_equals_inference_drafts(tiny_llama):
     positions = (anchors[:, None] + torch.arange(size)).flatten()
     hidden = drafter(tiny_llama.embed_tokens(blocks.flatten()), positions, drafter.context_kv(taps, torch.arange(24)),
                      block_mask(anchors, 24, size))
-    packed_drafts = tiny_llama.lm_head(hidden.view(3, size, -1)[:, 1:]).argmax(-1)
+    packed_drafts = head.to_target(head.logits(hidden.view(3, size, -1)[:, 1:]).argmax(-1))
+    if draft_vocab is not None:
+        assert set(packed_drafts.flatten().tolist()) <= set(draft_vocab.tolist())
     for row, anchor in enumerate(anchors.tolist()):
         proposer = DFlashProposer(tiny_llama, drafter, size - 1)
         proposer.begin(64)
@@ -65,10 +76,15 @@ def test_dflash_training_forward_equals_inference_drafts(tiny_llama):
         assert proposer.propose(tokens[: anchor + 1].tolist(), size - 1) == packed_drafts[row].tolist()
 
 
-def test_eagle3_training_time_test_equals_inference_drafting(tiny_llama):
+@pytest.mark.parametrize("draft_vocab", [None, DRAFT_VOCAB], ids=["full-vocab", "reduced-vocab"])
+def test_eagle3_training_time_test_equals_inference_drafting(tiny_llama, draft_vocab):
     """Unrolled training steps compute, at every position, the proposer's chained drafts."""
     torch.manual_seed(4)
-    drafter = Eagle3Drafter(Eagle3Config.for_target(tiny_llama.config)).eval()
+    vocab_size = None if draft_vocab is None else draft_vocab.numel()
+    drafter = Eagle3Drafter(Eagle3Config.for_target(tiny_llama.config, vocab_size)).eval()
+    if draft_vocab is not None:
+        set_draft_vocab(drafter, draft_vocab)
+    head = DraftHead(tiny_llama.lm_head.weight, draft_token_ids(drafter))
     tokens = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(7))
     taps = tiny_llama(tokens, tiny_llama.new_cache(32), tap_layers=drafter.config.target_layer_ids).taps
     depth = 3
@@ -81,7 +97,7 @@ def test_eagle3_training_time_test_equals_inference_drafting(tiny_llama):
     forced = torch.cat([tokens[:10], torch.tensor(drafts)])
     taps_forced = tiny_llama(forced, tiny_llama.new_cache(32), tap_layers=drafter.config.target_layer_ids).taps
     with torch.no_grad():
-        _, stats = eagle3_loss(drafter, tiny_llama, forced, taps_forced, response_start=10, depth=depth)
+        _, stats = eagle3_loss(drafter, tiny_llama, head, forced, taps_forced, response_start=10, depth=depth)
     # The drafting position j = 8 starts the chain whose labels are the drafts: all accepted.
     assert stats["tau"] == pytest.approx(1 + depth)
 
@@ -93,11 +109,59 @@ def test_dflash_loss_trains_a_drafter_to_copy_a_sequence(tiny_llama, tmp_path):
     taps = tiny_llama(tokens, tiny_llama.new_cache(64), tap_layers=config.target_layer_ids).taps
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     generator = torch.Generator().manual_seed(0)
+    head = DraftHead(tiny_llama.lm_head.weight, None)
     first = None
     for _ in range(60):
-        loss, stats = dflash_loss(drafter, tiny_llama, tokens, taps.clone(), 5, 16, 4.0, generator)
-        first = first or float(loss)
+        loss, stats = dflash_loss(drafter, tiny_llama, head, tokens, taps.clone(), 5, 16, 4.0, generator)
+        first = first or loss.item()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
     assert float(loss) < first / 3 and stats["tau"] > 1.5
+
+
+def write_distilled(folder, sequences):
+    folder.mkdir()
+    lines = [json.dumps({"prompt_ids": s[:5], "response_ids": s[5:]}) for s in sequences]
+    (folder / "shard-00000.jsonl").write_text("\n".join(lines) + "\n")
+    return str(folder)
+
+
+@pytest.mark.parametrize("method", ["dflash", "eagle3"])
+def test_an_interrupted_run_resumes_to_the_same_drafter(tiny_llama, tmp_path, monkeypatch, method):
+    """Checkpoint round trip: crash after the step-3 checkpoint, rerun, and get the uninterrupted run's weights."""
+    from specserve_runtime.training import train as training
+
+    generator = torch.Generator().manual_seed(9)
+    sequences = [torch.randint(0, 95, (30,), generator=generator).tolist() for _ in range(6)]
+    data = write_distilled(tmp_path / "data", sequences[:4])
+    eval_data = write_distilled(tmp_path / "eval", sequences[4:])
+    settings = dict(method=method, data=data, eval_data=eval_data, steps=6, warmup=2, block_size=4, num_layers=1,
+                    anchors=4, depth=2, draft_vocab_size=48, eval_every=3, eval_sequences=2, checkpoint_every=3)
+    quiet = lambda message: None  # noqa: E731
+    whole = training.train(training.TrainConfig(out=str(tmp_path / "whole"), **settings), tiny_llama, 95, log=quiet)
+
+    real_loss, training_steps = training.sequence_loss, []
+
+    def crash_at_step_four(*args):
+        if torch.is_grad_enabled():  # a training step, not the held-out evaluation
+            training_steps.append(1)
+            if len(training_steps) == 4:
+                raise KeyboardInterrupt
+        return real_loss(*args)
+
+    monkeypatch.setattr(training, "sequence_loss", crash_at_step_four)
+    config = training.TrainConfig(out=str(tmp_path / "resumed"), **settings)
+    with pytest.raises(KeyboardInterrupt):
+        training.train(config, tiny_llama, 95, log=quiet)
+    assert not (tmp_path / "resumed" / "drafter").exists()
+    resumed = training.train(config, tiny_llama, 95, log=quiet)
+
+    assert resumed["history"] == [{**h, "seconds": r["seconds"]} for h, r in zip(whole["history"], resumed["history"])]
+    load = load_dflash if method == "dflash" else load_eagle3
+    ours, theirs = load(tmp_path / "resumed" / "drafter").state_dict(), load(tmp_path / "whole" / "drafter").state_dict()
+    assert ours.keys() == theirs.keys() and "d2t" in ours
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="other settings"):  # a changed recipe never silently continues a run
+        training.train(training.TrainConfig(out=str(tmp_path / "resumed"), **{**settings, "steps": 8}), tiny_llama, 95, log=quiet)

@@ -36,10 +36,14 @@ def load_weights(module: nn.Module, folder: str | Path) -> None:
     module.load_state_dict({name: t.to(expected[name].dtype) for name, t in state.items()})
 
 
-def save(module: nn.Module, config: dict, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
+def save(
+    module: nn.Module, config: dict, folder: str | Path, dtype: torch.dtype | None = None, extra: dict | None = None
+) -> Path:
+    """Weights (floating-point ones cast to `dtype`, index buffers kept) and config.json."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    state = {name: (t.to(dtype) if dtype else t).contiguous() for name, t in module.state_dict().items()}
+    state = {**module.state_dict(), **(extra or {})}
+    state = {name: (t.to(dtype) if dtype and t.is_floating_point() else t).detach().contiguous() for name, t in state.items()}
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return folder

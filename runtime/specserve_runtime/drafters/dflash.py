@@ -18,6 +18,7 @@ from ..kv_cache import KVCache
 from ..layers import RMSNorm, RotaryEmbedding
 from ..model import DecoderLayer, ModelConfig, Transformer
 from . import DrafterError, ProposerOptions, check_layer_ids, check_matches_target, checkpoint, drafter_source
+from .vocab import DraftHead, add_vocab_buffers, draft_token_ids
 
 DEFAULT_BLOCK_SIZE = 8
 # SmolLM2 has no mask token and no free embedding row. <empty_output> (id 16) is a special token
@@ -49,6 +50,7 @@ class DFlashConfig:
     num_target_layers: int
     target_layer_ids: tuple[int, ...]
     mask_token_id: int
+    draft_vocab_size: int | None = None  # None: the drafter scores the target's whole vocabulary
 
     def __post_init__(self):
         if self.block_size < 2:
@@ -57,7 +59,13 @@ class DFlashConfig:
 
     @classmethod
     def for_target(
-        cls, target: ModelConfig, num_layers: int, block_size: int, mask_token_id: int, num_taps: int | None = None
+        cls,
+        target: ModelConfig,
+        num_layers: int,
+        block_size: int,
+        mask_token_id: int,
+        num_taps: int | None = None,
+        draft_vocab_size: int | None = None,
     ) -> "DFlashConfig":
         return cls(
             hidden_size=target.hidden_size,
@@ -74,6 +82,7 @@ class DFlashConfig:
             num_target_layers=target.num_hidden_layers,
             target_layer_ids=tuple(target_layer_ids(target.num_hidden_layers, num_taps or num_layers)),
             mask_token_id=mask_token_id,
+            draft_vocab_size=draft_vocab_size,
         )
 
     def layer_config(self) -> ModelConfig:
@@ -94,7 +103,7 @@ class DFlashConfig:
         )
 
     def _qwen3_fields(self) -> dict:
-        fixed = {"block_size", "num_target_layers", "target_layer_ids", "mask_token_id"}
+        fixed = {"block_size", "num_target_layers", "target_layer_ids", "mask_token_id", "draft_vocab_size"}
         qwen3 = {k: v for k, v in asdict(self).items() if k not in fixed}
         return {
             "model_type": "qwen3",
@@ -107,13 +116,15 @@ class DFlashConfig:
         }
 
     def to_zlab(self) -> dict:
-        """config.json in z-lab's layout (as z-lab/Qwen3-8B-DFlash-b16 ships it)."""
+        """config.json in z-lab's layout (as z-lab/Qwen3-8B-DFlash-b16 ships it, plus a reduced vocabulary's size)."""
+        reduced = {"draft_vocab_size": self.draft_vocab_size} if self.draft_vocab_size else {}
         return {
             "architectures": ["DFlashDraftModel"],
             **self._qwen3_fields(),
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
             "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            **reduced,
             "dtype": "float32",
         }
 
@@ -126,6 +137,7 @@ class DFlashConfig:
         values.setdefault("head_dim", raw.get("hidden_size", 0) // max(raw.get("num_attention_heads", 1), 1))
         values.setdefault("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 1e6))
         values.setdefault("max_position_embeddings", 40960)
+        values.setdefault("draft_vocab_size", None)
         names = [f.name for f in fields(cls)]
         missing = [n for n in names if n not in values]
         if missing:
@@ -139,7 +151,7 @@ class DFlashConfig:
             "architectures": ["DFlashSpeculator"],
             "speculators_model_type": "dflash",
             "transformer_layer_config": self._qwen3_fields(),
-            "draft_vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size or self.vocab_size,
             "block_size": self.block_size,
             # speculators indexes hidden_states with the embedding output at 0, z-lab the first layer
             "aux_hidden_state_layer_ids": [i + 1 for i in self.target_layer_ids],
@@ -176,6 +188,7 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DFlashLayer(layer_cfg) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        add_vocab_buffers(self, config.vocab_size, config.draft_vocab_size)
 
     def context_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Target taps [C, L*H] at absolute positions [C] -> per draft layer, context keys/values."""
@@ -197,6 +210,7 @@ class DFlashProposer:
         self.target, self.drafter = target, drafter
         self.num_speculative_tokens = num_speculative_tokens
         self.tap_layers = drafter.config.target_layer_ids
+        self.head = DraftHead(target.lm_head.weight, draft_token_ids(drafter))
         self.context_cache: KVCache | None = None
         self.pending: list[torch.Tensor] = []
 
@@ -229,7 +243,7 @@ class DFlashProposer:
         context_kv = [cache.get(layer) for layer in range(len(self.drafter.layers))]
         hidden = self.drafter(self.target.embed_tokens(block), positions, context_kv)
         # Slot i (i >= 1) predicts the token i places after the last committed one.
-        return self.target.lm_head(hidden[1 : 1 + num_drafts]).argmax(dim=-1).tolist()
+        return self.head.to_target(self.head.logits(hidden[1 : 1 + num_drafts]).argmax(dim=-1)).tolist()
 
 
 def random_drafter(config: DFlashConfig, seed: int) -> DFlashDrafter:
@@ -250,11 +264,24 @@ def save_dflash(drafter: DFlashDrafter, folder: str | Path, dtype: torch.dtype |
 
 
 def export_speculators(
-    drafter: DFlashDrafter, folder: str | Path, verifier_name_or_path: str, verifier_architectures: list[str]
+    drafter: DFlashDrafter,
+    folder: str | Path,
+    verifier_name_or_path: str,
+    verifier_architectures: list[str],
+    target: Transformer | None = None,
 ) -> Path:
-    """Write the drafter in the `speculators` layout (same weight names, vLLM-loadable config)."""
+    """Write the drafter in the `speculators` layout (same weight names, vLLM-loadable config).
+
+    speculators rebuilds a full-vocabulary LM head from the verifier, but ships a reduced one
+    inside the checkpoint: exporting a reduced-vocabulary drafter needs the target.
+    """
     config = drafter.config.to_speculators(verifier_name_or_path, verifier_architectures)
-    return checkpoint.save(drafter, config, folder)
+    token_ids = draft_token_ids(drafter)
+    if token_ids is None:
+        return checkpoint.save(drafter, config, folder)
+    if target is None:
+        raise DrafterError("exporting a reduced-vocabulary drafter needs the target model (its LM head rows)")
+    return checkpoint.save(drafter, config, folder, extra={"lm_head.weight": target.lm_head.weight[token_ids]})
 
 
 def build_dflash(target: Transformer, options: ProposerOptions) -> DFlashProposer:

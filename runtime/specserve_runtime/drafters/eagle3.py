@@ -6,7 +6,7 @@ its own output hidden state instead and drafts k tokens one after another. The t
 embedding and LM head are shared and frozen.
 """
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -16,6 +16,7 @@ from ..kv_cache import KVCache
 from ..layers import MLP, Attention, RMSNorm, RotaryEmbedding, causal_mask
 from ..model import ModelConfig, Transformer
 from . import DrafterError, ProposerOptions, check_layer_ids, check_matches_target, checkpoint, drafter_source
+from .vocab import DraftHead, add_vocab_buffers, draft_token_ids
 
 DEFAULT_TOKENS = 4
 
@@ -37,12 +38,13 @@ class Eagle3Config:
     vocab_size: int
     num_target_layers: int
     target_layer_ids: tuple[int, ...]
+    draft_vocab_size: int | None = None  # None: the drafter scores the target's whole vocabulary
 
     def __post_init__(self):
         check_layer_ids(self.target_layer_ids, self.num_target_layers)
 
     @classmethod
-    def for_target(cls, target: ModelConfig) -> "Eagle3Config":
+    def for_target(cls, target: ModelConfig, draft_vocab_size: int | None = None) -> "Eagle3Config":
         return cls(
             hidden_size=target.hidden_size,
             intermediate_size=target.intermediate_size,
@@ -54,6 +56,7 @@ class Eagle3Config:
             vocab_size=target.vocab_size,
             num_target_layers=target.num_hidden_layers,
             target_layer_ids=feature_layer_ids(target.num_hidden_layers),
+            draft_vocab_size=draft_vocab_size,
         )
 
     def to_json(self) -> dict:
@@ -63,11 +66,11 @@ class Eagle3Config:
     def from_json(cls, raw: dict) -> "Eagle3Config":
         if raw.get("architectures") != ["Eagle3DraftModel"]:
             raise DrafterError(f"not an EAGLE-3 drafter: architectures={raw.get('architectures')}")
-        names = [f.name for f in fields(cls)]
-        missing = [n for n in names if n not in raw]
+        missing = [f.name for f in fields(cls) if f.name not in raw and f.default is MISSING]
         if missing:
             raise DrafterError(f"EAGLE-3 config.json lacks {', '.join(missing)}")
-        return cls(**{n: (tuple(raw[n]) if n == "target_layer_ids" else raw[n]) for n in names})
+        values = {f.name: raw[f.name] for f in fields(cls) if f.name in raw}
+        return cls(**{**values, "target_layer_ids": tuple(raw["target_layer_ids"])})
 
 
 class Eagle3Layer(nn.Module):
@@ -106,6 +109,7 @@ class Eagle3Drafter(nn.Module):
         self.midlayer = Eagle3Layer(config)
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        add_vocab_buffers(self, config.vocab_size, config.draft_vocab_size)
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """embeds, features [T, H] at the next T drafter positions -> hidden states [T, H] (before the norm)."""
@@ -121,6 +125,7 @@ class Eagle3Proposer:
         self.target, self.drafter = target, drafter
         self.num_speculative_tokens = num_speculative_tokens
         self.tap_layers = drafter.config.target_layer_ids
+        self.head = DraftHead(target.lm_head.weight, draft_token_ids(drafter))
         self.cache: KVCache | None = None
         self.pending: list[torch.Tensor] = []
         self.num_context = 0  # drafter positions backed by real target features
@@ -148,7 +153,7 @@ class Eagle3Proposer:
         self.num_context = end
         drafts = []
         while True:
-            drafts.append(int(self.target.lm_head(self.drafter.norm(hidden)).argmax()))
+            drafts.append(int(self.head.to_target(self.head.logits(self.drafter.norm(hidden)).argmax(-1))))
             if len(drafts) == num_drafts:
                 return drafts
             hidden = self.drafter(self.target.embed_tokens(torch.tensor(drafts[-1:])), hidden, self.cache)

@@ -4,8 +4,8 @@ The drafter must predict what the target will say, so it learns from the target'
 (chat template applied, as served), not from human-written answers. Generation runs in
 batches with transformers (batched greedy decoding is several times faster on CPU than one
 sequence at a time), and writes one JSONL shard per chunk of prompts: an interrupted run
-resumes at the first missing shard. Target hidden states are recomputed during training
-(one target forward per sequence) rather than stored: they would take gigabytes.
+resumes at the first missing shard. The target hidden states a drafter needs are not stored
+here: training computes them once per tap set and caches them beside the shards (train.py).
 """
 
 import json

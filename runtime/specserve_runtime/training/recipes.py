@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from ..drafters.dflash import DFlashDrafter
 from ..drafters.eagle3 import Eagle3Drafter
+from ..drafters.vocab import IGNORE, DraftHead
 from ..model import Transformer
 
 
@@ -48,6 +49,7 @@ def accepted_prefix(correct: torch.Tensor) -> torch.Tensor:
 def dflash_loss(
     drafter: DFlashDrafter,
     target: Transformer,
+    head: DraftHead,
     tokens: torch.Tensor,  # [S]
     taps: torch.Tensor,  # [S, L*H]
     response_start: int,
@@ -67,11 +69,11 @@ def dflash_loss(
     hidden = hidden.view(anchors.numel(), size, -1)[:, 1:]  # slot k predicts the token k after the anchor
     label_positions = positions[:, 1:]
     valid = label_positions < length
-    labels = tokens[label_positions.clamp(max=length - 1)]
-    logits = target.lm_head(hidden)  # [N, B-1, V]
-    losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
-    weights = position_weights(size, gamma)[None, :] * valid
-    loss = (losses * weights).sum() / weights.sum()
+    labels = head.to_draft(tokens[label_positions.clamp(max=length - 1)])  # IGNORE: not in the draft vocabulary
+    logits = head.logits(hidden)  # [N, B-1, V_draft]
+    losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="none")
+    weights = position_weights(size, gamma)[None, :] * valid * (labels != IGNORE)
+    loss = (losses.view_as(labels) * weights).sum() / weights.sum().clamp(min=1e-6)
     with torch.no_grad():
         correct = (logits.argmax(-1) == labels) & valid
         stats = {"accuracy": float(correct.float().sum() / valid.sum()), "tau": 1 + float(accepted_prefix(correct).float().mean())}
@@ -81,6 +83,7 @@ def dflash_loss(
 def eagle3_loss(
     drafter: Eagle3Drafter,
     target: Transformer,
+    head: DraftHead,
     tokens: torch.Tensor,  # [S]
     taps: torch.Tensor,  # [S, L*H]
     response_start: int,
@@ -116,13 +119,14 @@ def eagle3_loss(
         features = layer.finish(features, attention.project_out(attended))
         label_positions = positions + step + 1
         valid = (label_positions < length) & (label_positions >= response_start)
-        labels = tokens[label_positions.clamp(max=length - 1)]
-        logits = target.lm_head(drafter.norm(features[valid]))
+        labels = head.to_draft(tokens[label_positions.clamp(max=length - 1)][valid])
+        logits = head.logits(drafter.norm(features[valid]))
         weight = 0.8 ** (step - 1)
-        total = total + weight * F.cross_entropy(logits, labels[valid])
+        known = (labels != IGNORE).sum().clamp(min=1)
+        total = total + weight * F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum") / known
         weight_sum += weight
         step_correct = torch.zeros_like(valid)
-        step_correct[valid] = logits.argmax(-1) == labels[valid]
+        step_correct[valid] = logits.argmax(-1) == labels
         correct_steps.append(step_correct)
     with torch.no_grad():
         correct = torch.stack(correct_steps, dim=-1)  # [T, depth]

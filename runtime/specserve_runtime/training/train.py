@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from ..drafters.dflash import DFlashConfig, DFlashDrafter, save_dflash
 from ..drafters.eagle3 import Eagle3Config, Eagle3Drafter, feature_layer_ids, save_eagle3
+from ..drafters.vocab import DraftHead, draft_token_ids, frequency_ranked, set_draft_vocab
 from ..model import Transformer
 from .distill import read_sequences
 from .recipes import dflash_loss, eagle3_loss
@@ -37,6 +38,7 @@ class TrainConfig:
     anchors: int = 48  # dflash: blocks per sequence
     gamma: float = 4.0  # dflash: position decay of the loss
     depth: int = 4  # eagle3: drafting steps unrolled in training (= draft tokens at inference)
+    draft_vocab_size: int = 8192  # most frequent response tokens the drafter scores; 0: the whole vocabulary
     eval_every: int = 250
     eval_sequences: int = 24
     checkpoint_every: int = 250
@@ -44,8 +46,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.method not in ("dflash", "eagle3"):
             raise ValueError(f"--method must be dflash or eagle3, got {self.method!r}")
-        if self.block_size < 2 or self.steps < 1 or self.depth < 1 or self.anchors < 1:
-            raise ValueError("--block-size >= 2, --steps, --depth and --anchors >= 1 are required")
+        if self.block_size < 2 or self.steps < 1 or self.depth < 1 or self.anchors < 1 or self.draft_vocab_size < 0:
+            raise ValueError("--block-size >= 2, --steps, --depth and --anchors >= 1, --draft-vocab-size >= 0 are required")
 
 
 def feature_cache(target: Transformer, sequences: list[dict], layers: tuple[int, ...], path: Path, log) -> list[torch.Tensor]:
@@ -65,30 +67,39 @@ def feature_cache(target: Transformer, sequences: list[dict], layers: tuple[int,
     return taps
 
 
-def new_drafter(cfg: TrainConfig, target: Transformer, mask_token_id: int):
+def new_drafter(cfg: TrainConfig, target: Transformer, mask_token_id: int, sequences: list[dict]):
+    """A fresh drafter; a reduced draft vocabulary is the training responses' most frequent tokens."""
     torch.manual_seed(cfg.seed)
+    vocab_size = target.config.vocab_size
+    draft_vocab_size = cfg.draft_vocab_size if 0 < cfg.draft_vocab_size < vocab_size else None
     if cfg.method == "dflash":
         # Three taps, the same low/mid/high layers as EAGLE-3's, so both read identical features.
-        config = DFlashConfig.for_target(target.config, cfg.num_layers, cfg.block_size, mask_token_id, num_taps=3)
+        config = DFlashConfig.for_target(
+            target.config, cfg.num_layers, cfg.block_size, mask_token_id, num_taps=3, draft_vocab_size=draft_vocab_size
+        )
         assert config.target_layer_ids == feature_layer_ids(target.config.num_hidden_layers)
-        return DFlashDrafter(config)
-    return Eagle3Drafter(Eagle3Config.for_target(target.config))
+        drafter = DFlashDrafter(config)
+    else:
+        drafter = Eagle3Drafter(Eagle3Config.for_target(target.config, draft_vocab_size))
+    if draft_vocab_size:
+        set_draft_vocab(drafter, frequency_ranked((r["response_ids"] for r in sequences), draft_vocab_size, vocab_size))
+    return drafter
 
 
-def sequence_loss(cfg: TrainConfig, drafter, target, record: dict, taps: torch.Tensor, generator: torch.Generator):
+def sequence_loss(cfg: TrainConfig, drafter, target, head: DraftHead, record: dict, taps: torch.Tensor, generator):
     tokens = torch.tensor(record["prompt_ids"] + record["response_ids"])
     start = len(record["prompt_ids"])
     if cfg.method == "dflash":
-        return dflash_loss(drafter, target, tokens, taps.float(), start, cfg.anchors, cfg.gamma, generator)
-    return eagle3_loss(drafter, target, tokens, taps.float(), start, cfg.depth)
+        return dflash_loss(drafter, target, head, tokens, taps.float(), start, cfg.anchors, cfg.gamma, generator)
+    return eagle3_loss(drafter, target, head, tokens, taps.float(), start, cfg.depth)
 
 
 @torch.no_grad()
-def evaluate(cfg: TrainConfig, drafter, target, sequences, taps) -> dict:
+def evaluate(cfg: TrainConfig, drafter, target, head: DraftHead, sequences, taps) -> dict:
     """Teacher-forced acceptance on held-out sequences (fixed anchors: comparable across steps)."""
     drafter.eval()
     generator = torch.Generator().manual_seed(1234)
-    results = [sequence_loss(cfg, drafter, target, r, t, generator) for r, t in zip(sequences, taps)]
+    results = [sequence_loss(cfg, drafter, target, head, r, t, generator) for r, t in zip(sequences, taps)]
     drafter.train()
     return {
         "loss": sum(float(loss) for loss, _ in results) / len(results),
@@ -115,7 +126,7 @@ def train(cfg: TrainConfig, target: Transformer, mask_token_id: int, log=print) 
     taps = feature_cache(target, data, layers, Path(cfg.data) / f"taps-{names}.safetensors", log)
     eval_taps = feature_cache(target, eval_data, layers, Path(cfg.eval_data) / f"taps-{names}-{len(eval_data)}.safetensors", log)
 
-    drafter = new_drafter(cfg, target, mask_token_id).train()
+    drafter = new_drafter(cfg, target, mask_token_id, data).train()
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     generator = torch.Generator().manual_seed(cfg.seed)
     start_step, history, seconds = 0, [], 0.0
@@ -129,6 +140,7 @@ def train(cfg: TrainConfig, target: Transformer, mask_token_id: int, log=print) 
         generator.set_state(state["generator"])
         start_step, history, seconds = state["step"], state["history"], state["seconds"]
         log(f"resuming {cfg.method} training at step {start_step}")
+    head = DraftHead(target.lm_head.weight, draft_token_ids(drafter))
 
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     progress = tqdm(range(start_step, cfg.steps), initial=start_step, total=cfg.steps, dynamic_ncols=True)
@@ -137,7 +149,7 @@ def train(cfg: TrainConfig, target: Transformer, mask_token_id: int, log=print) 
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(cfg, step)
         index = order[step % len(order)]
-        loss, stats = sequence_loss(cfg, drafter, target, data[index], taps[index], generator)
+        loss, stats = sequence_loss(cfg, drafter, target, head, data[index], taps[index], generator)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         optimizer.step()
@@ -146,7 +158,7 @@ def train(cfg: TrainConfig, target: Transformer, mask_token_id: int, log=print) 
         progress.set_postfix(loss=f"{float(loss):.3f}", acc=f"{stats['accuracy']:.2f}")
         done = step + 1
         if done % cfg.eval_every == 0 or done == cfg.steps:
-            held_out = evaluate(cfg, drafter, target, eval_data, eval_taps)
+            held_out = evaluate(cfg, drafter, target, head, eval_data, eval_taps)
             history.append({"step": done, "seconds": round(seconds, 1), **{k: round(v, 4) for k, v in held_out.items()}})
             progress.write(f"step {done}: held-out tau {held_out['tau']:.2f}, accuracy {held_out['accuracy']:.3f}, loss {held_out['loss']:.3f}")
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:
