@@ -128,22 +128,52 @@ def cmd_distill(args) -> None:
     )
 
 
-def cmd_train_drafter(args) -> None:
-    from .loader import load_model
+def _training_data(args) -> tuple[str, str]:
     from .store import cache_root
-    from .training.train import TrainConfig, train
 
     data = args.data or str(cache_root() / "data" / "distill-v1")
     eval_data = args.eval_data or str(cache_root() / "data" / "distill-v1-eval")
     for flag, folder in (("--data", data), ("--eval-data", eval_data)):
         if not Path(folder).is_dir():
             raise UsageError(f"{flag} {folder}: no such folder (run `specserve distill` first)")
+    return data, eval_data
+
+
+def cmd_train_drafter(args) -> None:
+    from .loader import load_model
+    from .training.train import TrainConfig, train
+
+    data, eval_data = _training_data(args)
     settings = {k: getattr(args, k) for k in ("steps", "lr", "seed", "block_size", "num_layers", "anchors", "gamma", "depth",
                                               "draft_vocab_size", "eval_every", "checkpoint_every") if getattr(args, k) is not None}
     config = TrainConfig(method=args.method, data=data, eval_data=eval_data, out=args.out, **settings)
     model = load_model(args.model)
     summary = train(config, model.target, model.mask_token_id(), log=lambda message: print(message, file=sys.stderr))
     print(json.dumps(summary["history"][-1] if summary["history"] else {}))
+
+
+def cmd_sweep_drafter(args) -> None:
+    from .loader import load_model
+    from .training.sweep import sweep, sweep_table
+    from .training.train import TrainConfig
+
+    data, eval_data = _training_data(args)
+    settings = {k: getattr(args, k) for k in ("steps", "lr", "seed", "anchors", "gamma", "draft_vocab_size")
+                if getattr(args, k) is not None}
+    base = TrainConfig(method="dflash", data=data, eval_data=eval_data, out=args.out, eval_every=args.steps,
+                       checkpoint_every=args.steps, **settings)
+    block_sizes, num_layers = _int_list(args.block_sizes, "--block-sizes"), _int_list(args.num_layers, "--num-layers")
+    model = load_model(args.model)
+    rows = sweep(base, block_sizes, num_layers, model.target, model.mask_token_id(),
+                 log=lambda message: print(message, file=sys.stderr))
+    print(sweep_table(rows))
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} takes comma-separated integers, got {text!r}") from None
 
 
 def cmd_serve(args) -> None:
@@ -298,17 +328,28 @@ def build_parser() -> Parser:
     distill.add_argument("--limit", type=int, help="only the first N prompts")
     distill.set_defaults(run=cmd_distill)
 
+    def training_arguments(parser, out_help: str, flags: tuple[tuple[str, type], ...]) -> None:
+        parser.add_argument("--out", required=True, help=out_help)
+        parser.add_argument("--model", default=DEFAULT_MODEL)
+        parser.add_argument("--data", help="distilled training data (default: the cache's distill-v1)")
+        parser.add_argument("--eval-data", help="distilled held-out data (default: the cache's distill-v1-eval)")
+        for flag, kind in (("--lr", float), ("--seed", int), ("--anchors", int), ("--gamma", float),
+                           ("--draft-vocab-size", int)) + flags:
+            parser.add_argument(flag, type=kind)
+
     trainer = commands.add_parser("train-drafter", help="train a DFlash or EAGLE-3 drafter on distilled data (resumable)")
     trainer.add_argument("--method", required=True, choices=["dflash", "eagle3"])
-    trainer.add_argument("--out", required=True, help="run folder: checkpoints, training.json, drafter/")
-    trainer.add_argument("--model", default=DEFAULT_MODEL)
-    trainer.add_argument("--data", help="distilled training data (default: the cache's distill-v1)")
-    trainer.add_argument("--eval-data", help="distilled held-out data (default: the cache's distill-v1-eval)")
-    for flag, kind in (("--steps", int), ("--lr", float), ("--seed", int), ("--block-size", int), ("--num-layers", int),
-                       ("--anchors", int), ("--gamma", float), ("--depth", int), ("--draft-vocab-size", int), ("--eval-every", int),
-                       ("--checkpoint-every", int)):
-        trainer.add_argument(flag, type=kind)
+    training_arguments(trainer, "run folder: checkpoints, training.json, drafter/",
+                       (("--steps", int), ("--block-size", int), ("--num-layers", int), ("--depth", int),
+                        ("--eval-every", int), ("--checkpoint-every", int)))
     trainer.set_defaults(run=cmd_train_drafter)
+
+    sweeper = commands.add_parser("sweep-drafter", help="short DFlash runs varying block size and draft layers (resumable)")
+    training_arguments(sweeper, "sweep folder: one run folder per setting, sweep.json", ())
+    sweeper.add_argument("--steps", type=int, default=300, help="training steps per setting (default 300)")
+    sweeper.add_argument("--block-sizes", default="4,8,16", help="varied at the base's 2 draft layers")
+    sweeper.add_argument("--num-layers", default="1,2,3", help="varied at the base's block size 8")
+    sweeper.set_defaults(run=cmd_sweep_drafter)
 
     export = commands.add_parser("export-drafter", help="convert a z-lab layout DFlash drafter to the speculators layout")
     export.add_argument("--drafter", required=True, help="z-lab layout checkpoint folder")

@@ -29,9 +29,34 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None  # set by fuse_projections()
+
+    def fuse_projections(self) -> None:
+        """Inference: gate and up in one matrix product (their weights become views of the fused one)."""
+        self.gate_up_weight = _fuse(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def _fuse(*linears: nn.Linear) -> torch.Tensor:
+    """One weight for several bias-free Linears on the same input; each keeps a view of its rows."""
+    fused = torch.cat([linear.weight.detach() for linear in linears])
+    for linear, rows in zip(linears, fused.split([linear.out_features for linear in linears])):
+        linear.weight = nn.Parameter(rows, requires_grad=False)
+    return fused
+
+
+def fuse_projections(model: nn.Module) -> nn.Module:
+    """Inference only: fuse every attention's q/k/v and every MLP's gate/up (gradients would not reach the views)."""
+    for module in model.modules():
+        if isinstance(module, (Attention, MLP)):
+            module.fuse_projections()
+    return model
 
 
 class RotaryEmbedding(nn.Module):
@@ -119,19 +144,37 @@ class Attention(nn.Module):
         # Qwen3 normalises every query and key head before RoPE; Llama does not.
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.qkv_weight: torch.Tensor | None = None  # set by fuse_projections()
+
+    def fuse_projections(self) -> None:
+        """Inference: queries, keys and values in one matrix product."""
+        self.qkv_weight = _fuse(self.q_proj, self.k_proj, self.v_proj)
 
     def _heads(self, x: torch.Tensor, num_heads: int) -> torch.Tensor:
         return x.view(x.shape[0], num_heads, self.head_dim).transpose(0, 1).unsqueeze(0)
 
     def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q = self._heads(self.q_proj(x), self.num_heads)  # [1, heads, T, D]
+        return self._query_heads(self.q_proj(x), cos, sin)
+
+    def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        return self._key_value_heads(self.k_proj(x), self.v_proj(x), cos, sin)
+
+    def query_key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        if self.qkv_weight is None:
+            return self.query(x, cos, sin), *self.key_value(x, cos, sin)
+        q, k, v = F.linear(x, self.qkv_weight).split(
+            [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1
+        )
+        return self._query_heads(q, cos, sin), *self._key_value_heads(k, v, cos, sin)
+
+    def _query_heads(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q = self._heads(q, self.num_heads)  # [1, heads, T, D]
         if self.q_norm is not None:
             q = self.q_norm(q)
         return apply_rope(q, cos, sin)
 
-    def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        k = self._heads(self.k_proj(x), self.num_kv_heads)  # [1, kv_heads, T, D]
-        v = self._heads(self.v_proj(x), self.num_kv_heads)
+    def _key_value_heads(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        k, v = self._heads(k, self.num_kv_heads), self._heads(v, self.num_kv_heads)  # [1, kv_heads, T, D]
         if self.k_norm is not None:
             k = self.k_norm(k)
         return apply_rope(k, cos, sin), v

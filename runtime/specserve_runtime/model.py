@@ -16,7 +16,7 @@ from torch import nn
 
 from .errors import ModelError
 from .kv_cache import KVCache
-from .layers import MLP, Attention, RMSNorm, RotaryEmbedding, causal_mask
+from .layers import MLP, Attention, RMSNorm, RotaryEmbedding, causal_mask, fuse_projections
 
 SUPPORTED_ARCHITECTURES = {"llama": False, "qwen3": True}  # model_type -> per-head q/k norm
 
@@ -81,9 +81,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(h, cfg.intermediate_size)
 
     def forward(self, x, cos, sin, cache: KVCache, layer: int, mask):
-        h = self.input_layernorm(x)
-        q = self.self_attn.query(h, cos, sin)
-        k, v = cache.write(layer, *self.self_attn.key_value(h, cos, sin))
+        q, k, v = self.self_attn.query_key_value(self.input_layernorm(x), cos, sin)
+        k, v = cache.write(layer, k, v)
         x = x + self.self_attn.output(q, k, v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -167,4 +166,5 @@ def load_target(folder: str | Path, dtype=torch.float32) -> Transformer:
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    return model.eval().requires_grad_(False)
+    # The target only ever runs inference: fewer, larger matrix products.
+    return fuse_projections(model.eval().requires_grad_(False))

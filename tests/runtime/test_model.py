@@ -83,3 +83,23 @@ def test_missing_weights_are_named(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"garbage")
     with pytest.raises(ValueError, match="cannot read"):
         load_target(tmp_path)
+
+
+def test_fused_projections_share_storage_and_compute_the_same(tiny_llama):
+    """load_target fuses q/k/v and gate/up; a drafter fused the same way drafts the same tokens."""
+    import copy
+
+    from specserve_runtime.drafters.dflash import DFlashConfig, random_drafter
+    from specserve_runtime.layers import fuse_projections
+
+    attention, mlp = tiny_llama.layers[0].self_attn, tiny_llama.layers[0].mlp
+    assert attention.q_proj.weight.data_ptr() == attention.qkv_weight.data_ptr()  # views: no extra memory
+    assert mlp.up_proj.weight.data_ptr() == mlp.gate_up_weight[mlp.gate_proj.out_features :].data_ptr()
+
+    drafter = random_drafter(DFlashConfig.for_target(tiny_llama.config, 2, 4, mask_token_id=95), seed=1)
+    fused = fuse_projections(copy.deepcopy(drafter))
+    taps = torch.randn(6, 2 * tiny_llama.config.hidden_size)
+    embeds, positions = torch.randn(4, tiny_llama.config.hidden_size), torch.arange(6, 10)
+    separate = drafter(embeds, positions, drafter.context_kv(taps, torch.arange(6)))
+    torch.testing.assert_close(fused(embeds, positions, fused.context_kv(taps, torch.arange(6))), separate)
+    assert drafter.layers[0].mlp.gate_up_weight is None and fused.layers[0].mlp.gate_up_weight is not None

@@ -165,3 +165,13 @@ def test_an_interrupted_run_resumes_to_the_same_drafter(tiny_llama, tmp_path, mo
         torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=0)
     with pytest.raises(ValueError, match="other settings"):  # a changed recipe never silently continues a run
         training.train(training.TrainConfig(out=str(tmp_path / "resumed"), **{**settings, "steps": 8}), tiny_llama, 95, log=quiet)
+
+
+def test_the_sweep_varies_one_factor_at_a_time_around_the_base():
+    from specserve_runtime.training.sweep import sweep_configs
+    from specserve_runtime.training.train import TrainConfig
+
+    base = TrainConfig(method="dflash", data="d", eval_data="e", out="sweep", block_size=8, num_layers=2)
+    configs = sweep_configs(base, [4, 8, 16], [1, 2, 3])
+    assert [(c.block_size, c.num_layers) for c in configs] == [(8, 2), (4, 2), (16, 2), (8, 1), (8, 3)]
+    assert configs[1].out == "sweep/b4-l2" and all(c.steps == base.steps for c in configs)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..kv_cache import KVCache
-from ..layers import RMSNorm, RotaryEmbedding
+from ..layers import RMSNorm, RotaryEmbedding, fuse_projections
 from ..model import DecoderLayer, ModelConfig, Transformer
 from . import DrafterError, ProposerOptions, check_layer_ids, check_matches_target, checkpoint, drafter_source
 from .vocab import DraftHead, add_vocab_buffers, draft_token_ids
@@ -167,9 +167,7 @@ class DFlashConfig:
 
 class DFlashLayer(DecoderLayer):
     def forward(self, x, cos, sin, context_k, context_v, mask=None):
-        h = self.input_layernorm(x)
-        q = self.self_attn.query(h, cos, sin)
-        k, v = self.self_attn.key_value(h, cos, sin)
+        q, k, v = self.self_attn.query_key_value(self.input_layernorm(x), cos, sin)
         # Keys/values are [context ; block]. No causal mask: the block sees all context and itself.
         # (Training packs many blocks into one forward; its mask keeps each block to its own view.)
         k, v = torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2)
@@ -295,6 +293,7 @@ def build_dflash(target: Transformer, options: ProposerOptions) -> DFlashPropose
     else:
         drafter = load_dflash(source)
     check_matches_target("dflash", drafter.config, target.config)
+    fuse_projections(drafter)
     max_drafts = drafter.config.block_size - 1
     num_tokens = options.num_speculative_tokens or max_drafts
     if num_tokens > max_drafts:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..kv_cache import KVCache
-from ..layers import MLP, Attention, RMSNorm, RotaryEmbedding, causal_mask
+from ..layers import MLP, Attention, RMSNorm, RotaryEmbedding, causal_mask, fuse_projections
 from ..model import ModelConfig, Transformer
 from . import DrafterError, ProposerOptions, check_layer_ids, check_matches_target, checkpoint, drafter_source
 from .vocab import DraftHead, add_vocab_buffers, draft_token_ids
@@ -94,9 +94,8 @@ class Eagle3Layer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def forward(self, embeds, features, cos, sin, cache: KVCache, mask):
-        x = self.fuse(embeds, features)
-        q = self.self_attn.query(x, cos, sin)
-        k, v = cache.write(0, *self.self_attn.key_value(x, cos, sin))
+        q, k, v = self.self_attn.query_key_value(self.fuse(embeds, features), cos, sin)
+        k, v = cache.write(0, k, v)
         return self.finish(features, self.self_attn.output(q, k, v, mask))
 
 
@@ -178,4 +177,5 @@ def build_eagle3(target: Transformer, options: ProposerOptions) -> Eagle3Propose
     else:
         drafter = load_eagle3(source)
     check_matches_target("eagle3", drafter.config, target.config)
+    fuse_projections(drafter)
     return Eagle3Proposer(target, drafter, options.num_speculative_tokens or DEFAULT_TOKENS)
