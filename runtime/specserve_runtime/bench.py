@@ -4,6 +4,7 @@ Every method runs on the same prompt before the next prompt starts (interleaved)
 noise hits all methods alike; each timing is the median of `repeats` runs.
 """
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -156,15 +157,16 @@ def table(summary: dict) -> str:
 
 
 def decode_floor(model: LoadedModel, prefix: int = 300, runs: int = 20) -> dict:
-    """One-token decode step of the engine against the bare chain of the model's matrix products."""
+    """One-token decode step of the engine (fused and separate projections) against the bare
+    chain of the model's matrix products (every Linear once, one token, inputs preallocated)."""
     target = model.target
     weights = [m.weight for m in target.modules() if isinstance(m, torch.nn.Linear) and m is not target.lm_head]
     weights.append(target.lm_head.weight)
-    x = torch.randn(1, target.config.hidden_size)
+    inputs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in weights}  # the MLP down projection is wider
 
     def matmul_chain():
-        for w in weights:  # input widths differ (MLP down projection), so feed each its own input
-            torch.nn.functional.linear(x if w.shape[1] == x.shape[1] else torch.randn(1, w.shape[1]), w)
+        for w in weights:
+            torch.nn.functional.linear(inputs[w.shape[1]], w)
 
     cache = target.new_cache(prefix + runs + 1)
     target(torch.randint(0, 1000, (prefix,)), cache)
@@ -173,8 +175,13 @@ def decode_floor(model: LoadedModel, prefix: int = 300, runs: int = 20) -> dict:
         target(torch.tensor([5]), cache)
         cache.crop(prefix)
 
+    def decode_step_separate():
+        with separate_projections(target):
+            decode_step()
+
     timings = {}
-    for name, fn in (("decode_step_ms", decode_step), ("matmul_floor_ms", matmul_chain)):
+    for name, fn in (("decode_step_ms", decode_step), ("decode_step_separate_ms", decode_step_separate),
+                     ("matmul_floor_ms", matmul_chain)):
         fn()
         samples = []
         for _ in range(runs):
@@ -184,3 +191,17 @@ def decode_floor(model: LoadedModel, prefix: int = 300, runs: int = 20) -> dict:
             samples.append((time.perf_counter() - started) * 1000)
         timings[name] = round(statistics.median(samples), 2)
     return timings
+
+
+@contextlib.contextmanager
+def separate_projections(model: torch.nn.Module):
+    """Run a fused model with its q/k/v and gate/up matrix products issued one by one (the weights are shared)."""
+    fused = [(m, name, getattr(m, name)) for m in model.modules() for name in ("qkv_weight", "gate_up_weight")
+             if getattr(m, name, None) is not None]
+    for module, name, _ in fused:
+        setattr(module, name, None)
+    try:
+        yield
+    finally:
+        for module, name, weight in fused:
+            setattr(module, name, weight)

@@ -1,5 +1,7 @@
 """The benchmark's arithmetic and its JSON contract (the run itself is a command, not a test)."""
 
+import torch
+
 from specserve_runtime.bench import MethodStats, summarize, table
 
 
@@ -30,3 +32,15 @@ def test_summary_contract_speedups_and_acceptance():
 def test_sampled_runs_do_not_claim_losslessness():
     summary = summarize({"ar": stats(decode_tps=[1.0], e2e_tps=[1.0], lossless=None)})
     assert summary["methods"]["ar"]["lossless"] is None and "n/a (T>0)" in table(summary)
+
+
+def test_separate_projections_compute_the_same_and_restore_the_fusion(tiny_llama):
+    from specserve_runtime.bench import separate_projections
+
+    tokens = torch.tensor([5, 17, 42, 8])
+    fused = tiny_llama(tokens, tiny_llama.new_cache(8)).logits
+    with separate_projections(tiny_llama):
+        assert all(layer.self_attn.qkv_weight is None and layer.mlp.gate_up_weight is None for layer in tiny_llama.layers)
+        separate = tiny_llama(tokens, tiny_llama.new_cache(8)).logits
+    assert all(layer.self_attn.qkv_weight is not None for layer in tiny_llama.layers)
+    torch.testing.assert_close(fused, separate, rtol=1e-5, atol=1e-5)
