@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .drafters import ProposerOptions
 from .engine import Request
 from .loader import LoadedModel, build_engine
 from .verify import SamplingParams
@@ -39,9 +40,17 @@ def _median_run(run, repeats: int):
     return sorted(results, key=lambda r: r[1])[len(results) // 2]
 
 
+def method_spec(name: str) -> tuple[str, ProposerOptions]:
+    """'dflash', or 'dflash:3' for 3 speculative tokens per step -> the method and its proposer options."""
+    method, _, tokens = name.partition(":")
+    if tokens and not (tokens.isdigit() and int(tokens) >= 1):
+        raise ValueError(f"{name!r}: the number after ':' is the speculative tokens per step, an integer >= 1")
+    return method, ProposerOptions(num_speculative_tokens=int(tokens) if tokens else None)
+
+
 def run_bench(model: LoadedModel, methods: list[str], baselines: list[str], prompts: list[dict], max_new_tokens: int,
               repeats: int, temperature: float, log=print) -> dict[str, MethodStats]:
-    engines = {m: build_engine(model, m) for m in methods}  # eagle3 / dflash: the bundled drafters
+    engines = {m: build_engine(model, *method_spec(m)) for m in methods}  # eagle3 / dflash: the bundled drafters
     stats = {name: MethodStats() for name in methods + [f"hf-{b}" for b in baselines]}
     hf_model = _hf_model(model) if baselines else None
     sampling = SamplingParams(temperature=temperature)

@@ -227,13 +227,14 @@ def cmd_launch(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from .bench import decode_floor, run_bench, summarize, table
+    from .bench import decode_floor, method_spec, run_bench, summarize, table
     from .loader import load_model
     from .training.prompts import PROMPTS_FILE
 
     methods = [m for m in args.methods.split(",") if m]
     baselines = [b for b in (args.baselines or "").split(",") if b]
-    unknown = [m for m in methods if m not in METHODS] + [b for b in baselines if b not in ("hf", "prompt-lookup")]
+    unknown = [m for m in methods if method_spec(m)[0] not in METHODS]
+    unknown += [b for b in baselines if b not in ("hf", "prompt-lookup")]
     if unknown:
         raise UsageError(f"unknown method or baseline: {', '.join(unknown)} (methods {', '.join(METHODS)}; baselines hf, prompt-lookup)")
     if args.repeats < 1 or args.max_new_tokens < 1:
@@ -307,7 +308,8 @@ def build_parser() -> Parser:
     launch.set_defaults(run=cmd_launch)
 
     bench = commands.add_parser("bench", help="methods side by side: acceptance, tokens/s, speed-up, losslessness")
-    bench.add_argument("--methods", default="ar,ngram,eagle3,dflash")
+    bench.add_argument("--methods", default="ar,ngram,eagle3,dflash",
+                       help="comma list; METHOD:K drafts K tokens per step (e.g. dflash:3), else the drafter's default")
     bench.add_argument("--baselines", help="comma list: hf (transformers generate), prompt-lookup (its assisted mode)")
     bench.add_argument("--model", default=DEFAULT_MODEL)
     bench.add_argument("--prompts-file", help='JSONL with a "prompt" field (default: the held-out split)')

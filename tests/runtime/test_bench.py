@@ -3,6 +3,7 @@
 import torch
 
 from specserve_runtime.bench import MethodStats, summarize, table
+from specserve_runtime.drafters import ProposerOptions
 
 
 def stats(**kwargs):
@@ -44,3 +45,15 @@ def test_separate_projections_compute_the_same_and_restore_the_fusion(tiny_llama
         separate = tiny_llama(tokens, tiny_llama.new_cache(8)).logits
     assert all(layer.self_attn.qkv_weight is not None for layer in tiny_llama.layers)
     torch.testing.assert_close(fused, separate, rtol=1e-5, atol=1e-5)
+
+
+def test_method_spec_sets_the_speculative_tokens():
+    import pytest
+
+    from specserve_runtime.bench import method_spec
+
+    assert method_spec("dflash") == ("dflash", ProposerOptions())
+    assert method_spec("dflash:3") == ("dflash", ProposerOptions(num_speculative_tokens=3))
+    for bad in ("dflash:0", "dflash:x"):
+        with pytest.raises(ValueError, match="speculative tokens per step"):
+            method_spec(bad)
