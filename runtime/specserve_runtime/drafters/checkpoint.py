@@ -44,6 +44,8 @@ def save(
     folder.mkdir(parents=True, exist_ok=True)
     state = {**module.state_dict(), **(extra or {})}
     state = {name: (t.to(dtype) if dtype and t.is_floating_point() else t).detach().contiguous() for name, t in state.items()}
+    if dtype and "dtype" in config:  # z-lab's config.json records the weights' precision
+        config = {**config, "dtype": str(dtype).removeprefix("torch.")}
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return folder

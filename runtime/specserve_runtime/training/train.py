@@ -8,6 +8,7 @@ seed a run is deterministic (anchors, data order and initialisation are seeded).
 
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -160,7 +161,8 @@ def train(cfg: TrainConfig, target: Transformer, mask_token_id: int, log=print) 
         if done % cfg.eval_every == 0 or done == cfg.steps:
             held_out = evaluate(cfg, drafter, target, head, eval_data, eval_taps)
             history.append({"step": done, "seconds": round(seconds, 1), **{k: round(v, 4) for k, v in held_out.items()}})
-            progress.write(f"step {done}: held-out tau {held_out['tau']:.2f}, accuracy {held_out['accuracy']:.3f}, loss {held_out['loss']:.3f}")
+            message = f"step {done}: held-out tau {held_out['tau']:.2f}, accuracy {held_out['accuracy']:.3f}, loss {held_out['loss']:.3f}"
+            progress.write(message, file=sys.stderr)  # beside the bar: stdout carries only the result
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:
             torch.save(
                 {"config": asdict(cfg), "step": done, "drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(),
