@@ -177,7 +177,7 @@ def decode_floor(model: LoadedModel, prefix: int = 300, runs: int = 20) -> dict:
         for w in weights:
             torch.nn.functional.linear(inputs[w.shape[1]], w)
 
-    cache = target.new_cache(prefix + runs + 1)
+    cache = target.new_cache(prefix + 8)  # every step is cropped back to the prefix
     target(torch.randint(0, 1000, (prefix,)), cache)
 
     def decode_step():
@@ -188,18 +188,26 @@ def decode_floor(model: LoadedModel, prefix: int = 300, runs: int = 20) -> dict:
         with separate_projections(target):
             decode_step()
 
-    timings = {}
+    def verify_step(num_tokens: int):  # [last token, drafts...]: what one speculative step verifies
+        target(torch.arange(5, 5 + num_tokens), cache)
+        cache.crop(prefix)
+
+    timings = {"verify_ms_by_tokens": {n: _median_ms(lambda n=n: verify_step(n), runs) for n in range(1, 9)}}
     for name, fn in (("decode_step_ms", decode_step), ("decode_step_separate_ms", decode_step_separate),
                      ("matmul_floor_ms", matmul_chain)):
-        fn()
-        samples = []
-        for _ in range(runs):
-            started = time.perf_counter()
-            with torch.inference_mode():
-                fn()
-            samples.append((time.perf_counter() - started) * 1000)
-        timings[name] = round(statistics.median(samples), 2)
+        timings[name] = _median_ms(fn, runs)
     return timings
+
+
+def _median_ms(fn, runs: int) -> float:
+    fn()  # the first call pays for allocation and kernel selection
+    samples = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        with torch.inference_mode():
+            fn()
+        samples.append((time.perf_counter() - started) * 1000)
+    return round(statistics.median(samples), 2)
 
 
 @contextlib.contextmanager

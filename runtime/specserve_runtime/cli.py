@@ -260,6 +260,8 @@ def cmd_bench(args) -> None:
         print(f"\none decode step (300-token prefix): {kernels['decode_step_ms']} ms fused, "
               f"{kernels['decode_step_separate_ms']} ms with separate q/k/v and gate/up products; "
               f"bare matrix-product chain: {kernels['matmul_floor_ms']} ms")
+        print("verify forward (ms) by tokens verified (last token + drafts): "
+              + ", ".join(f"{n}: {ms}" for n, ms in kernels["verify_ms_by_tokens"].items()))
     if args.json:
         print(json.dumps(summary))
 

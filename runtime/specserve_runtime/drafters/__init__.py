@@ -53,6 +53,9 @@ class ProposerOptions:
 # Drafters trained by the project for the default target (see each folder's CARD.md).
 BUNDLED = Path(__file__).parent / "weights"
 DEFAULT_DRAFTERS = {"dflash": BUNDLED / "smollm2-135m-instruct-dflash", "eagle3": BUNDLED / "smollm2-135m-instruct-eagle3"}
+# Drafts per step that measured fastest with the bundled drafters on a 2-core CPU (docs/benchmarks.md):
+# later slots are so rarely accepted that verifying them costs more than they return.
+BUNDLED_SPECULATIVE_TOKENS = {"dflash": 2, "eagle3": 2}
 
 
 def drafter_source(method: str, options: "ProposerOptions") -> str:
@@ -63,6 +66,11 @@ def drafter_source(method: str, options: "ProposerOptions") -> str:
     if not (bundled / "config.json").is_file():
         raise DrafterError(f"no trained {method} drafter is bundled: pass --drafter PATH or --drafter random")
     return str(bundled)
+
+
+def bundled_speculative_tokens(method: str, options: "ProposerOptions") -> int | None:
+    """The measured operating point of a bundled drafter, unless the user chose a drafter or a count."""
+    return None if options.drafter else BUNDLED_SPECULATIVE_TOKENS[method]
 
 
 def check_layer_ids(layer_ids: tuple[int, ...], num_target_layers: int) -> None:

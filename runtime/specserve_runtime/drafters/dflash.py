@@ -17,7 +17,15 @@ from torch import nn
 from ..kv_cache import KVCache
 from ..layers import RMSNorm, RotaryEmbedding, fuse_projections
 from ..model import DecoderLayer, ModelConfig, Transformer
-from . import DrafterError, ProposerOptions, check_layer_ids, check_matches_target, checkpoint, drafter_source
+from . import (
+    DrafterError,
+    ProposerOptions,
+    bundled_speculative_tokens,
+    check_layer_ids,
+    check_matches_target,
+    checkpoint,
+    drafter_source,
+)
 from .vocab import DraftHead, add_vocab_buffers, draft_token_ids
 
 DEFAULT_BLOCK_SIZE = 8
@@ -295,7 +303,7 @@ def build_dflash(target: Transformer, options: ProposerOptions) -> DFlashPropose
     check_matches_target("dflash", drafter.config, target.config)
     fuse_projections(drafter)
     max_drafts = drafter.config.block_size - 1
-    num_tokens = options.num_speculative_tokens or max_drafts
+    num_tokens = options.num_speculative_tokens or bundled_speculative_tokens("dflash", options) or max_drafts
     if num_tokens > max_drafts:
         raise DrafterError(f"num_speculative_tokens {num_tokens} exceeds the drafter's block size - 1 ({max_drafts})")
     return DFlashProposer(target, drafter, num_tokens)

@@ -15,7 +15,15 @@ from torch import nn
 from ..kv_cache import KVCache
 from ..layers import MLP, Attention, RMSNorm, RotaryEmbedding, causal_mask, fuse_projections
 from ..model import ModelConfig, Transformer
-from . import DrafterError, ProposerOptions, check_layer_ids, check_matches_target, checkpoint, drafter_source
+from . import (
+    DrafterError,
+    ProposerOptions,
+    bundled_speculative_tokens,
+    check_layer_ids,
+    check_matches_target,
+    checkpoint,
+    drafter_source,
+)
 from .vocab import DraftHead, add_vocab_buffers, draft_token_ids
 
 DEFAULT_TOKENS = 4
@@ -178,4 +186,5 @@ def build_eagle3(target: Transformer, options: ProposerOptions) -> Eagle3Propose
         drafter = load_eagle3(source)
     check_matches_target("eagle3", drafter.config, target.config)
     fuse_projections(drafter)
-    return Eagle3Proposer(target, drafter, options.num_speculative_tokens or DEFAULT_TOKENS)
+    num_tokens = options.num_speculative_tokens or bundled_speculative_tokens("eagle3", options) or DEFAULT_TOKENS
+    return Eagle3Proposer(target, drafter, num_tokens)
