@@ -26,6 +26,10 @@ SPECULATIVE = {
     "eagle3": ProposerOptions("random", 3, seed=1),
     "dflash": ProposerOptions("random", 7, seed=2),  # block size 8
     "dflash-b4": ProposerOptions("random", 3, seed=3),
+    # The bundled trained drafters (reduced draft vocabulary) at their default and full lengths.
+    "eagle3-bundled": ProposerOptions(),
+    "dflash-bundled": ProposerOptions(),
+    "dflash-bundled-7": ProposerOptions(num_speculative_tokens=7),
 }
 
 
@@ -49,6 +53,12 @@ def test_greedy_speculative_output_is_token_identical_to_ar(smollm2, engines, re
     assert result.token_ids == reference[kind].token_ids
     assert result.finish_reason == reference[kind].finish_reason
     assert result.num_draft_tokens > 0 or method == "ngram"
+
+
+def test_bundled_drafters_verify_their_measured_number_of_drafts(engines):
+    assert engines["dflash-bundled"].proposer.num_speculative_tokens == 2  # BUNDLED_SPECULATIVE_TOKENS
+    assert engines["eagle3-bundled"].proposer.num_speculative_tokens == 2
+    assert engines["dflash-bundled-7"].proposer.num_speculative_tokens == 7  # the whole block on request
 
 
 def test_short_answer_stops_at_eos_inside_a_block(smollm2, engines, reference):
