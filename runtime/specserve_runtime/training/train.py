@@ -156,7 +156,7 @@ def train(cfg: TrainConfig, target: Transformer, mask_token_id: int, log=print) 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         seconds += time.perf_counter() - started
-        progress.set_postfix(loss=f"{float(loss):.3f}", acc=f"{stats['accuracy']:.2f}")
+        progress.set_postfix(loss=f"{loss.item():.3f}", acc=f"{stats['accuracy']:.2f}")
         done = step + 1
         if done % cfg.eval_every == 0 or done == cfg.steps:
             held_out = evaluate(cfg, drafter, target, head, eval_data, eval_taps)
