@@ -45,13 +45,13 @@ async def _reconcile_and_report(body, memo: kopf.Memo, logger) -> dict:
     return await asyncio.to_thread(_reconcile_blocking, body, memo, logger)
 
 
-def _lock(meta) -> threading.Lock:
-    return _LOCKS[(meta.get("namespace"), meta.get("name"), meta.get("uid"))]
+def _lock_key(meta) -> tuple:
+    return meta.get("namespace"), meta.get("name"), meta.get("uid")
 
 
 def _reconcile_blocking(body, memo: kopf.Memo, logger) -> dict:
     meta = body.get("metadata") or {}
-    with _lock(meta):
+    with _LOCKS[_lock_key(meta)]:
         # A resync that waited for the lock while the delete handler cleaned up must not recreate
         # children. kopf's body is a live view, so the deletion is visible here by then.
         if (body.get("metadata") or {}).get("deletionTimestamp"):
@@ -91,9 +91,9 @@ async def serving_deleted(body, name, namespace, memo: kopf.Memo, logger, **_):
 def _cleanup_blocking(body, name, namespace, memo: kopf.Memo) -> list[str]:
     """Under the object's lock, so that a resync in flight cannot re-apply children behind the cleanup."""
     meta = body.get("metadata") or {}
-    with _lock(meta):
+    with _LOCKS[_lock_key(meta)]:
         deleted = cleanup(memo.cluster, name, namespace)
-    _LOCKS.pop((meta.get("namespace"), meta.get("name"), meta.get("uid")), None)
+    _LOCKS.pop(_lock_key(meta), None)
     return deleted
 
 

@@ -4,7 +4,6 @@ Every method runs on the same prompt before the next prompt starts (interleaved)
 noise hits all methods alike; each timing is the median of `repeats` runs.
 """
 
-import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -13,6 +12,7 @@ import torch
 
 from .drafters import ProposerOptions
 from .engine import Request
+from .layers import separate_projections
 from .loader import LoadedModel, build_engine
 from .verify import SamplingParams
 
@@ -208,17 +208,3 @@ def _median_ms(fn, runs: int) -> float:
             fn()
         samples.append((time.perf_counter() - started) * 1000)
     return round(statistics.median(samples), 2)
-
-
-@contextlib.contextmanager
-def separate_projections(model: torch.nn.Module):
-    """Run a fused model with its q/k/v and gate/up matrix products issued one by one (the weights are shared)."""
-    fused = [(m, name, getattr(m, name)) for m in model.modules() for name in ("qkv_weight", "gate_up_weight")
-             if getattr(m, name, None) is not None]
-    for module, name, _ in fused:
-        setattr(module, name, None)
-    try:
-        yield
-    finally:
-        for module, name, weight in fused:
-            setattr(module, name, weight)

@@ -128,6 +128,11 @@ def cmd_distill(args) -> None:
     )
 
 
+def _given(args, names: tuple[str, ...]) -> dict:
+    """The training flags the user set; the others keep TrainConfig's defaults."""
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
 def _training_data(args) -> tuple[str, str]:
     from .store import cache_root
 
@@ -144,8 +149,8 @@ def cmd_train_drafter(args) -> None:
     from .training.train import TrainConfig, train
 
     data, eval_data = _training_data(args)
-    settings = {k: getattr(args, k) for k in ("steps", "lr", "seed", "block_size", "num_layers", "anchors", "gamma", "depth",
-                                              "draft_vocab_size", "eval_every", "checkpoint_every") if getattr(args, k) is not None}
+    settings = _given(args, ("steps", "lr", "seed", "block_size", "num_layers", "anchors", "gamma", "depth",
+                             "draft_vocab_size", "eval_every", "checkpoint_every"))
     config = TrainConfig(method=args.method, data=data, eval_data=eval_data, out=args.out, **settings)
     model = load_model(args.model)
     summary = train(config, model.target, model.mask_token_id(), log=lambda message: print(message, file=sys.stderr))
@@ -158,8 +163,7 @@ def cmd_sweep_drafter(args) -> None:
     from .training.train import TrainConfig
 
     data, eval_data = _training_data(args)
-    settings = {k: getattr(args, k) for k in ("steps", "lr", "seed", "anchors", "gamma", "draft_vocab_size")
-                if getattr(args, k) is not None}
+    settings = _given(args, ("steps", "lr", "seed", "anchors", "gamma", "draft_vocab_size"))
     base = TrainConfig(method="dflash", data=data, eval_data=eval_data, out=args.out, eval_every=args.steps,
                        checkpoint_every=args.steps, **settings)
     block_sizes, num_layers = _int_list(args.block_sizes, "--block-sizes"), _int_list(args.num_layers, "--num-layers")

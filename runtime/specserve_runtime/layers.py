@@ -4,6 +4,7 @@ Tensors for one sequence carry no batch axis: hidden states are [T, H] and atten
 works on [1, heads, T, head_dim] so that SDPA's grouped-query support can be used.
 """
 
+import contextlib
 import math
 
 import torch
@@ -57,6 +58,20 @@ def fuse_projections(model: nn.Module) -> nn.Module:
         if isinstance(module, (Attention, MLP)):
             module.fuse_projections()
     return model
+
+
+@contextlib.contextmanager
+def separate_projections(model: nn.Module):
+    """Run a fused model with its q/k/v and gate/up matrix products issued one by one (the weights are shared)."""
+    fused = [(m, name, getattr(m, name)) for m in model.modules() for name in ("qkv_weight", "gate_up_weight")
+             if getattr(m, name, None) is not None]
+    for module, name, _ in fused:
+        setattr(module, name, None)
+    try:
+        yield
+    finally:
+        for module, name, weight in fused:
+            setattr(module, name, weight)
 
 
 class RotaryEmbedding(nn.Module):

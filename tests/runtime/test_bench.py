@@ -36,7 +36,7 @@ def test_sampled_runs_do_not_claim_losslessness():
 
 
 def test_separate_projections_compute_the_same_and_restore_the_fusion(tiny_llama):
-    from specserve_runtime.bench import separate_projections
+    from specserve_runtime.layers import separate_projections
 
     tokens = torch.tensor([5, 17, 42, 8])
     fused = tiny_llama(tokens, tiny_llama.new_cache(8)).logits
