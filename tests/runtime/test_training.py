@@ -175,3 +175,13 @@ def test_the_sweep_varies_one_factor_at_a_time_around_the_base():
     configs = sweep_configs(base, [4, 8, 16], [1, 2, 3])
     assert [(c.block_size, c.num_layers) for c in configs] == [(8, 2), (4, 2), (16, 2), (8, 1), (8, 3)]
     assert configs[1].out == "sweep/b4-l2" and all(c.steps == base.steps for c in configs)
+
+
+def test_a_draft_vocabulary_larger_than_the_target_is_an_error(tiny_llama, tmp_path):
+    from specserve_runtime.drafters import DrafterError
+    from specserve_runtime.training import train as training
+
+    data = write_distilled(tmp_path / "data", [list(range(30))])
+    config = training.TrainConfig(method="dflash", data=data, eval_data=data, out=str(tmp_path / "run"), draft_vocab_size=97)
+    with pytest.raises(DrafterError, match="draft_vocab_size must be within 1..96, got 97"):
+        training.train(config, tiny_llama, 95, log=lambda message: None)

@@ -72,7 +72,8 @@ def new_drafter(cfg: TrainConfig, target: Transformer, mask_token_id: int, seque
     """A fresh drafter; a reduced draft vocabulary is the training responses' most frequent tokens."""
     torch.manual_seed(cfg.seed)
     vocab_size = target.config.vocab_size
-    draft_vocab_size = cfg.draft_vocab_size if 0 < cfg.draft_vocab_size < vocab_size else None
+    # 0 or the full size: score every token. Out of range: add_vocab_buffers names the problem.
+    draft_vocab_size = None if cfg.draft_vocab_size in (0, vocab_size) else cfg.draft_vocab_size
     if cfg.method == "dflash":
         # Three taps, the same low/mid/high layers as EAGLE-3's, so both read identical features.
         config = DFlashConfig.for_target(
@@ -124,10 +125,10 @@ def train(cfg: TrainConfig, target: Transformer, mask_token_id: int, log=print) 
     layers = feature_layer_ids(target.config.num_hidden_layers)
     names = "-".join(map(str, layers))
     data, eval_data = read_sequences(cfg.data), read_sequences(cfg.eval_data)[: cfg.eval_sequences]
+    drafter = new_drafter(cfg, target, mask_token_id, data).train()  # before the slow feature pass: bad settings fail fast
     taps = feature_cache(target, data, layers, Path(cfg.data) / f"taps-{names}.safetensors", log)
     eval_taps = feature_cache(target, eval_data, layers, Path(cfg.eval_data) / f"taps-{names}-{len(eval_data)}.safetensors", log)
 
-    drafter = new_drafter(cfg, target, mask_token_id, data).train()
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     generator = torch.Generator().manual_seed(cfg.seed)
     start_step, history, seconds = 0, [], 0.0
