@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -169,41 +170,114 @@ def test_health_ready_and_metrics(server, client):
     assert 'le="2560.0"' in text  # vLLM's last TTFT bucket boundary
 
 
+class HeldEngine:
+    """Wraps an engine: its first stream blocks after yielding its first step until `release` is set, so
+    the request provably holds its slot for as long as a test needs. Later streams run freely."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.holding = threading.Event()  # the first step is out and the stream is blocked
+        self.release = threading.Event()
+
+    def stream(self, request, stats=None):
+        for number, step in enumerate(self.engine.stream(request, stats)):
+            yield step
+            if number == 0 and not self.release.is_set():
+                self.holding.set()
+                assert self.release.wait(timeout=120), "the test never released the engine"
+
+
+class FailingEngine:
+    """Wraps an engine: its first stream raises after yielding its first step. Later streams run freely."""
+
+    def __init__(self, engine):
+        self.engine, self.failed = engine, False
+
+    def stream(self, request, stats=None):
+        for step in self.engine.stream(request, stats):
+            yield step
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("the accelerator fell off the bus")
+
+
+async def wait_for(condition, what: str, timeout: float = 30) -> None:
+    """Bounded polling of a condition set by another thread or task."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
 async def test_full_queue_answers_429_and_disconnect_stops_generation(smollm2):
     """In process, with room for one request: a second concurrent one is refused, and a client that
-    goes away mid-stream ends its generation (finished_reason abort) instead of running to max_tokens."""
+    goes away mid-stream ends its generation (finished_reason abort) instead of running to max_tokens.
+    The engine is held after its first step, so the slot is taken for certain while the second request
+    arrives, and the request cannot finish on its own before the disconnect is seen."""
     import aiohttp
     from aiohttp.test_utils import TestServer
 
     from specserve_runtime.server.app import Server
 
-    server = Server(smollm2, build_engine(smollm2, "ar"), MODEL, "ar", None, max_concurrency=1)
-    async with TestServer(server.app()) as test_server, aiohttp.ClientSession() as session:
-        url = str(test_server.make_url("/v1/completions"))
-        long_request = {"model": MODEL, "prompt": "Write a long essay about the sea.", "max_tokens": 2000, "stream": True}
-        response = await session.post(url, json=long_request)
-        await response.content.readline()  # the stream has started: the only slot is taken
-        refused = await session.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 4})
-        assert refused.status == 429 and refused.headers["Retry-After"] == "1"
-        assert (await refused.json())["error"]["type"] == "rate_limit_error"
-        response.close()  # the client disconnects
-        for _ in range(100):
-            if server.worker.idle.is_set():
-                break
-            await asyncio.sleep(0.1)
-        assert server.worker.idle.is_set(), "generation kept running after the client left"
-        aborted = server.metrics.of(server.metrics.success, finished_reason="abort")._value.get()
-        generated = server.metrics.of(server.metrics.generation_tokens)._value.get()
-        assert aborted == 1 and generated < 2000
-        ok = await session.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 4})
-        assert ok.status == 200
+    engine = HeldEngine(build_engine(smollm2, "ar"))
+    server = Server(smollm2, engine, MODEL, "ar", None, max_concurrency=1)
+    try:
+        async with TestServer(server.app()) as test_server, aiohttp.ClientSession() as session:
+            url = str(test_server.make_url("/v1/completions"))
+            long_request = {"model": MODEL, "prompt": "Write a long essay about the sea.", "max_tokens": 2000,
+                            "temperature": 0, "stream": True}
+            response = await session.post(url, json=long_request)
+            assert response.status == 200
+            assert await asyncio.to_thread(engine.holding.wait, 60), "the first step never came"
+            (job,) = server.worker.active  # the only slot, held by the long request
+            refused = await session.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 4})
+            assert refused.status == 429 and refused.headers["Retry-After"] == "1"
+            assert (await refused.json())["error"]["type"] == "rate_limit_error"
+            response.close()  # the client disconnects
+            await wait_for(job.cancelled.is_set, "the server to see the disconnect")
+            engine.release.set()  # the engine may go on: the worker must stop at its next step
+            assert await asyncio.to_thread(server.worker.idle.wait, 60), "generation kept running after the client left"
+            aborted = server.metrics.of(server.metrics.success, finished_reason="abort")._value.get()
+            generated = server.metrics.of(server.metrics.generation_tokens)._value.get()
+            assert aborted == 1 and generated < 2000
+            ok = await session.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 4})
+            assert ok.status == 200
+    finally:
+        engine.release.set()
+        server.worker.stop()
+
+
+async def test_engine_failure_is_a_500_counted_as_finished_reason_error(smollm2):
+    """An engine that raises mid-request: the client gets an OpenAI-style server error, the failure is
+    counted in request_success_total{finished_reason="error"} with its latency, and the worker lives on."""
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from specserve_runtime.server.app import Server
+
+    server = Server(smollm2, FailingEngine(build_engine(smollm2, "ar")), MODEL, "ar", None, max_concurrency=1)
+    metrics = server.metrics
+    try:
+        async with TestServer(server.app()) as test_server, aiohttp.ClientSession() as session:
+            url = str(test_server.make_url("/v1/completions"))
+            failed = await session.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 8, "temperature": 0})
+            assert failed.status == 500
+            error = (await failed.json())["error"]
+            assert error["type"] == "server_error" and "fell off the bus" in error["message"]
+            assert metrics.of(metrics.success, finished_reason="error")._value.get() == 1
+            assert metrics.registry.get_sample_value("vllm:e2e_request_latency_seconds_count", metrics.labels) == 1
+            assert metrics.of(metrics.running)._value.get() == 0
+            ok = await session.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 4, "temperature": 0})
+            assert ok.status == 200
+            assert metrics.of(metrics.success, finished_reason="error")._value.get() == 1
+            assert metrics.registry.get_sample_value("vllm:e2e_request_latency_seconds_count", metrics.labels) == 2
+    finally:
         server.worker.stop()
 
 
 def test_sigterm_finishes_in_flight_requests_then_exits(smollm2):
     """Kubernetes stops a pod with SIGTERM: readiness fails, the running stream still completes."""
     import signal
-    import threading
 
     port = free_port()
     process = subprocess.Popen([specserve_bin(), "serve", "--method", "ar", "--port", str(port)],

@@ -111,10 +111,13 @@ class Worker:
                 if job.cancelled.is_set():  # the client went away: stop spending compute on it
                     result.finish_reason = "abort"
                     break
+        except Exception:  # counted as vLLM counts it, then answered by _run
+            result.finish_reason = "error"
+            raise
         finally:
             metrics.of(metrics.running).dec()
-        metrics.of(metrics.e2e).observe(time.perf_counter() - job.arrived)
-        metrics.of(metrics.success, finished_reason=result.finish_reason or "abort").inc()
+            metrics.of(metrics.e2e).observe(time.perf_counter() - job.arrived)
+            metrics.of(metrics.success, finished_reason=result.finish_reason or "abort").inc()
         self._emit(job, result)
         self._emit(job, _DONE)
 
@@ -292,6 +295,8 @@ class Server:
 
 
 def serve(server: Server, host: str, port: int) -> None:
+    # handler_cancellation: a client that disconnects cancels its handler, which cancels its job, also
+    # for non-streaming requests (aiohttp's default only notices at the next write).
     web.run_app(server.app(), host=host, port=port, shutdown_timeout=server.shutdown_grace + 5,
-                handle_signals=True, print=lambda message: print(message, flush=True))
+                handle_signals=True, handler_cancellation=True, print=lambda message: print(message, flush=True))
 
