@@ -260,20 +260,43 @@ class RevisionStatus(Model):
 
 
 class AnalysisResult(Model):
+    """One analysis interval of a canary: the candidate's numbers, the comparison, the verdict."""
+
     at: str
+    step: int = 0
+    weight: int = 0
     acceptance_length: float | None = None
     p99_inter_token_latency_ms: float | None = None
+    stable_p99_inter_token_latency_ms: float | None = None
     tokens_per_dollar_gain: float | None = None
     error_rate: float | None = None
+    in_flight_per_replica: float | None = None
+    stable_in_flight_per_replica: float | None = None
     verdict: Literal["Pass", "Fail", "Inconclusive"]
+    reasons: list[str] = []
 
 
 class CanaryStatus(RevisionStatus):
+    """The rollout state machine's whole state: an operator restart resumes from it."""
+
     step: int = 0
     weight: int = 0
     step_started_at: str | None = None
-    failed_checks: int = 0
+    state: Literal["Progressing", "AwaitingPromotion"] = "Progressing"
+    failed_checks: int = Field(0, description="consecutive failed analyses")
+    inconclusive_checks: int = Field(0, description="consecutive inconclusive analyses")
     last_analysis: AnalysisResult | None = None
+    history: list[AnalysisResult] = Field([], description="the last 20 analyses, oldest first")
+
+
+class RolloutRecord(Model):
+    """How the last rollout of a candidate revision ended. An aborted candidate is not retried until
+    its spec changes or the annotation specserve.io/retry is set."""
+
+    candidate_revision: str
+    outcome: Literal["Promoted", "Aborted"]
+    at: str
+    message: str = ""
 
 
 class MetricsStatus(Model):
@@ -300,6 +323,7 @@ class SpeculativeServingStatus(Model):
     conditions: list[Condition] = []
     stable: RevisionStatus | None = None
     canary: CanaryStatus | None = None
+    last_rollout: RolloutRecord | None = None
     metrics: MetricsStatus | None = None
     autoscaling: AutoscalingStatus | None = None
     replicas: int = 0

@@ -29,6 +29,7 @@ KINDS = {
     ("v1", "ConfigMap"): Kind("/api/v1", "configmaps"),
     ("v1", "Service"): Kind("/api/v1", "services"),
     ("v1", "Namespace"): Kind("/api/v1", "namespaces", namespaced=False),
+    ("v1", "Pod"): Kind("/api/v1", "pods"),
     ("apps/v1", "Deployment"): Kind("/apis/apps/v1", "deployments"),
     ("policy/v1", "PodDisruptionBudget"): Kind("/apis/policy/v1", "poddisruptionbudgets"),
     ("networking.k8s.io/v1", "NetworkPolicy"): Kind("/apis/networking.k8s.io/v1", "networkpolicies"),
@@ -56,6 +57,7 @@ RBAC_RULES = [
     ("", "namespaces", ["get", "list", "watch"]),
     ("", "configmaps", ["get", "list", "create", "patch", "delete"]),
     ("", "services", ["get", "list", "create", "patch", "delete"]),
+    ("", "pods", ["get", "list"]),  # the direct-scrape measurement source lists a revision's ready pods
     ("apps", "deployments", ["get", "list", "create", "patch", "delete"]),
     ("policy", "poddisruptionbudgets", ["get", "list", "create", "patch", "delete"]),
     ("networking.k8s.io", "networkpolicies", ["get", "list", "create", "patch", "delete"]),
@@ -154,3 +156,8 @@ class Cluster:
     def patch_status(self, api_version: str, kind: str, namespace: str | None, name: str, status: dict) -> None:
         path = self._path(api_version, kind, namespace, name) + "/status"
         self._call("PATCH", path, {"status": status}, content_type="application/merge-patch+json")
+
+    def remove_annotations(self, api_version: str, kind: str, namespace: str | None, name: str, keys: "list[str]") -> None:
+        """Merge-patch the annotations away (the operator consumes specserve.io/promote, abort and retry)."""
+        body = {"metadata": {"annotations": {key: None for key in keys}}}
+        self._call("PATCH", self._path(api_version, kind, namespace, name), body, content_type="application/merge-patch+json")

@@ -6,7 +6,7 @@ from pathlib import Path
 import yaml
 
 from . import api
-from .render import Settings, render_all
+from .render import Settings, Traffic, render_all
 from .validate import check_against_profile, parse_profile, parse_serving
 
 
@@ -84,8 +84,9 @@ def render_file(path: Path, settings: Settings = Settings(), cluster="auto") -> 
         if errors:
             problems += [f"{label}: {e}" for e in errors]
             continue
-        first_step = serving.spec.rollout.steps[0].weight if serving.spec.rollout else None
-        objects += render_all(serving, profile, settings, canary_weight=first_step)
+        # A rollout renders as at its first step, as the operator starts it.
+        traffic = Traffic("Canary", serving.spec.rollout.steps[0].weight) if serving.spec.rollout else Traffic()
+        objects += render_all(serving, profile, settings, traffic)
     if problems:
         raise RenderError(problems)
     return objects

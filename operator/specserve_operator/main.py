@@ -2,26 +2,36 @@
 
 import asyncio
 import collections
+import contextlib
+import datetime
 import os
 import threading
 
 import kopf
 from kubernetes.client.rest import ApiException
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from . import api
 from .apply import Cluster
-from .reconcile import cleanup, reconcile
+from .measure import PrometheusSource, ScrapeSource
+from .reconcile import Outcome, cleanup, reconcile
 from .render import Settings
 
 SERVINGS = (api.GROUP, api.VERSION, "speculativeservings")
 PROFILES = (api.GROUP, api.VERSION, "servingprofiles")
 RESYNC_SECONDS = float(os.environ.get("SPECSERVE_RESYNC_SECONDS", "30"))
+# While a rollout runs, reconcile this often: an analysis is due every spec.rollout.analysis.intervalSeconds
+# (at least 10 s), and this tick bounds how late it runs and how soon an annotation is acted on.
+ROLLOUT_TICK_SECONDS = float(os.environ.get("SPECSERVE_ROLLOUT_TICK_SECONDS", "5"))
 
-# kopf runs a resource's timer concurrently with its event handlers: one reconcile at a time per object.
+# kopf runs a resource's timers concurrently with its event handlers: one reconcile at a time per object.
 _LOCKS: dict[tuple, threading.Lock] = collections.defaultdict(threading.Lock)
 
 RECONCILES = Counter("specserve_operator_reconciles", "Reconciliations of SpeculativeServings", ["result"])
+ROLLOUTS = Counter("specserve_operator_rollouts", "Finished canary rollouts", ["outcome"])
+ANALYSES = Counter("specserve_operator_analyses", "Canary analysis intervals by verdict", ["verdict"])
+GATES = Counter("specserve_operator_analysis_gates", "Canary analysis gate results", ["gate", "verdict"])
+STEP = Gauge("specserve_operator_rollout_step", "Current canary step (-1: no canary)", ["namespace", "serving"])
 
 
 @kopf.on.startup()
@@ -38,62 +48,104 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_):
         monitoring_namespace=os.environ.get("SPECSERVE_MONITORING_NAMESPACE", "monitoring"),
         operator_namespace=os.environ.get("SPECSERVE_OPERATOR_NAMESPACE", "specserve-system"),
     )
+    # Canary measurements: Prometheus when configured, else the runtime pods' /metrics directly.
+    prometheus = os.environ.get("SPECSERVE_PROMETHEUS_URL", "").strip()
+    memo.source = memo.get("source") or (PrometheusSource(prometheus) if prometheus else ScrapeSource())
+    memo.clock = memo.get("clock") or (lambda: datetime.datetime.now(datetime.timezone.utc))
 
 
-async def _reconcile_and_report(body, memo: kopf.Memo, logger) -> dict:
+def _lock_key(namespace, name, uid) -> tuple:
+    return namespace, name, uid
+
+
+def _reconcile_blocking(namespace: str, name: str, uid: str | None, memo: kopf.Memo) -> tuple[dict, Outcome] | None:
+    """Under the object's lock: re-read the object, reconcile it, write its status.
+
+    The body a handler was called with can be older than what another handler already acted on
+    (a resync timer that started before a spec change): acting on it would undo the newer work,
+    e.g. delete the revision the change just created. So every reconcile reads the object afresh,
+    and patches status before releasing the lock, so the next one sees the state it left.
+    """
+    cluster: Cluster = memo.cluster
+    with _LOCKS[_lock_key(namespace, name, uid)]:
+        body = cluster.get(api.API_VERSION, "SpeculativeServing", namespace, name)
+        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+            return None  # deleted meanwhile: the delete handler cleans up, nothing may be re-created
+        outcome = reconcile(cluster, body, memo.settings, memo.source, memo.clock())
+        try:
+            cluster.patch_status(api.API_VERSION, "SpeculativeServing", namespace, name, outcome.status)
+            if outcome.consumed_annotations:
+                cluster.remove_annotations(api.API_VERSION, "SpeculativeServing", namespace, name, outcome.consumed_annotations)
+        except ApiException as exc:
+            if exc.status != 404:  # deleted meanwhile: nothing to report on
+                raise
+            return None
+    return body, outcome
+
+
+async def _reconcile_and_report(namespace: str, name: str, uid: str | None, memo: kopf.Memo, logger) -> None:
     """Handlers are async so that kopf can cancel them on shutdown; the blocking client runs in a thread."""
-    return await asyncio.to_thread(_reconcile_blocking, body, memo, logger)
-
-
-def _lock_key(meta) -> tuple:
-    return meta.get("namespace"), meta.get("name"), meta.get("uid")
-
-
-def _reconcile_blocking(body, memo: kopf.Memo, logger) -> dict:
-    meta = body.get("metadata") or {}
-    with _LOCKS[_lock_key(meta)]:
-        # A resync that waited for the lock while the delete handler cleaned up must not recreate
-        # children. kopf's body is a live view, so the deletion is visible here by then.
-        if (body.get("metadata") or {}).get("deletionTimestamp"):
-            return {}
-        outcome = reconcile(memo.cluster, dict(body), memo.settings)
+    result = await asyncio.to_thread(_reconcile_blocking, namespace, name, uid, memo)
+    if result is None:
+        return
+    body, outcome = result
     if outcome.problems:
         RECONCILES.labels("invalid").inc()
         kopf.warn(body, reason="InvalidSpec", message="; ".join(outcome.problems))
         logger.warning("invalid: %s", "; ".join(outcome.problems))
-    else:
-        RECONCILES.labels("applied").inc()
-        changed = {k: v for k, v in outcome.applied.items() if v != "unchanged"}
-        if changed or outcome.deleted:
-            kopf.info(body, reason="Reconciled", message=f"applied {sorted(changed)}; deleted {outcome.deleted}")
-    return outcome.status
+        return
+    RECONCILES.labels("applied").inc()
+    changed = {k: v for k, v in outcome.applied.items() if v != "unchanged"}
+    if changed or outcome.deleted:
+        kopf.info(body, reason="Reconciled", message=f"applied {sorted(changed)}; deleted {outcome.deleted}")
+    for event in outcome.events:
+        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+        if event.reason in ("Promoted", "RolloutAborted"):
+            ROLLOUTS.labels(event.reason.removeprefix("Rollout")).inc()
+    if outcome.report is not None:
+        ANALYSES.labels(outcome.report.verdict).inc()
+        for gate in outcome.report.gates:
+            GATES.labels(gate.name, gate.verdict).inc()
+    canary = outcome.status.get("canary")
+    STEP.labels(namespace, name).set(canary["step"] if canary else -1)
 
 
 @kopf.on.resume(*SERVINGS)
 @kopf.on.create(*SERVINGS)
 @kopf.on.update(*SERVINGS, field="spec")
-async def serving_changed(body, patch: kopf.Patch, memo: kopf.Memo, logger, **_):
-    patch.status.update(await _reconcile_and_report(body, memo, logger))
+async def serving_changed(namespace, name, uid, memo: kopf.Memo, logger, **_):
+    await _reconcile_and_report(namespace, name, uid, memo, logger)
 
 
 @kopf.timer(*SERVINGS, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS, idle=RESYNC_SECONDS)
-async def serving_resync(body, patch: kopf.Patch, memo: kopf.Memo, logger, **_):
+async def serving_resync(namespace, name, uid, memo: kopf.Memo, logger, **_):
     """Picks up what no event announces: Deployments becoming ready, drift of children."""
-    patch.status.update(await _reconcile_and_report(body, memo, logger))
+    await _reconcile_and_report(namespace, name, uid, memo, logger)
+
+
+def _has_rollout(spec, **_) -> bool:
+    return bool(spec.get("rollout"))
+
+
+@kopf.timer(*SERVINGS, interval=ROLLOUT_TICK_SECONDS, when=_has_rollout)
+async def rollout_tick(namespace, name, uid, memo: kopf.Memo, logger, **_):
+    """Analyses when one is due, advances steps, acts on the promote / abort / retry annotations."""
+    await _reconcile_and_report(namespace, name, uid, memo, logger)
 
 
 @kopf.on.delete(*SERVINGS)
-async def serving_deleted(body, name, namespace, memo: kopf.Memo, logger, **_):
-    deleted = await asyncio.to_thread(_cleanup_blocking, body, name, namespace, memo)
+async def serving_deleted(namespace, name, uid, memo: kopf.Memo, logger, **_):
+    deleted = await asyncio.to_thread(_cleanup_blocking, namespace, name, uid, memo)
+    with contextlib.suppress(KeyError):  # never had a canary
+        STEP.remove(namespace, name)
     logger.info("deleted %s", deleted)
 
 
-def _cleanup_blocking(body, name, namespace, memo: kopf.Memo) -> list[str]:
+def _cleanup_blocking(namespace, name, uid, memo: kopf.Memo) -> list[str]:
     """Under the object's lock, so that a resync in flight cannot re-apply children behind the cleanup."""
-    meta = body.get("metadata") or {}
-    with _LOCKS[_lock_key(meta)]:
+    with _LOCKS[_lock_key(namespace, name, uid)]:
         deleted = cleanup(memo.cluster, name, namespace)
-    _LOCKS.pop(_lock_key(meta), None)
+    _LOCKS.pop(_lock_key(namespace, name, uid), None)
     return deleted
 
 
@@ -103,14 +155,6 @@ async def profile_changed(name, memo: kopf.Memo, logger, **_):
     """A profile change (price, limits, selector) re-renders every serving that references it."""
     cluster: Cluster = memo.cluster
     for serving in await asyncio.to_thread(cluster.list, api.API_VERSION, "SpeculativeServing", None):
-        if (serving.get("spec") or {}).get("profile") != name:
-            continue
-        meta = serving["metadata"]
-        status = await _reconcile_and_report(serving, memo, logger)
-        try:
-            await asyncio.to_thread(
-                cluster.patch_status, api.API_VERSION, "SpeculativeServing", meta.get("namespace"), meta["name"], status
-            )
-        except ApiException as exc:
-            if exc.status != 404:  # deleted meanwhile: nothing to report on
-                raise
+        if (serving.get("spec") or {}).get("profile") == name:
+            meta = serving["metadata"]
+            await _reconcile_and_report(meta.get("namespace"), meta["name"], meta.get("uid"), memo, logger)

@@ -7,7 +7,8 @@ and hand the result to apply.py (or print it).
 import hashlib
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Literal
 
 from specserve_runtime.config import CONFIG_FILE, CONFIG_MOUNT, DEFAULT_PORT, RuntimeConfig
 
@@ -44,6 +45,21 @@ class Revision:
 
 
 @dataclass(frozen=True)
+class Traffic:
+    """What the rollout state machine decided, as rendering needs it (rollout.py decides it).
+
+    stage: Stable (no canary), Canary (the candidate takes `canary_weight` percent), Aborted (the
+    candidate's Deployment kept at zero replicas for inspection), Promoted (the candidate revision
+    is the stable one). stable_backend: the revision `<name>-stable` routes to while a new stable
+    revision is not ready yet (None: the stable revision itself).
+    """
+
+    stage: Literal["Stable", "Canary", "Aborted", "Promoted"] = "Stable"
+    canary_weight: int | None = None
+    stable_backend: str | None = None
+
+
+@dataclass(frozen=True)
 class Settings:
     """Cluster facts the operator is configured with (config.py), not taken from tenants."""
 
@@ -76,18 +92,34 @@ def replica_budget(spec: api.SpeculativeServingSpec, profile: api.ServingProfile
     return max(0, min(max(count, replicas.min), ceiling))
 
 
-def revisions(spec: api.SpeculativeServingSpec, total: int, canary_weight: int | None) -> list[Revision]:
-    """The stable revision, and the canary while a rollout runs (canary_weight set)."""
-    stable_hash = revision_hash(spec.model, spec.speculator, spec.runtime)
-    if spec.rollout is None or canary_weight is None:
-        return [Revision("stable", spec.speculator, spec.runtime, stable_hash, total)]
-    runtime = candidate_runtime(spec)
-    speculator = spec.rollout.candidate.speculator
-    # At least one replica each, so that both can be measured; split by the traffic weight.
-    canary = min(max(1, round(total * canary_weight / 100)), max(total - 1, 1))
+def candidate_hash(spec: api.SpeculativeServingSpec) -> str | None:
+    if spec.rollout is None:
+        return None
+    return revision_hash(spec.model, spec.rollout.candidate.speculator, candidate_runtime(spec))
+
+
+def split_replicas(total: int, weight: int) -> tuple[int, int]:
+    """(stable, canary) replicas whose ratio approximates the weight: at least one each, so that both
+    are measured. One Service spreads requests evenly over all ready pods, so per-replica load is
+    equal by construction."""
+    canary = min(max(1, round(total * weight / 100)), max(total - 1, 1))
+    return max(total - canary, 1), canary
+
+
+def revisions(spec: api.SpeculativeServingSpec, total: int, traffic: Traffic = Traffic()) -> list[Revision]:
+    """The stable revision, and the candidate's while a rollout runs or after it was aborted."""
+    stable = Revision("stable", spec.speculator, spec.runtime, revision_hash(spec.model, spec.speculator, spec.runtime), total)
+    if spec.rollout is None or traffic.stage == "Stable":
+        return [stable]
+    speculator, runtime, candidate = spec.rollout.candidate.speculator, candidate_runtime(spec), candidate_hash(spec)
+    if traffic.stage == "Promoted":
+        return [Revision("stable", speculator, runtime, candidate, total)]
+    if traffic.stage == "Aborted":
+        return [stable, Revision("canary", speculator, runtime, candidate, 0)]
+    stable_replicas, canary_replicas = split_replicas(total, traffic.canary_weight or 0)
     return [
-        Revision("stable", spec.speculator, spec.runtime, stable_hash, max(total - canary, 1)),
-        Revision("canary", speculator, runtime, revision_hash(spec.model, speculator, runtime), canary),
+        replace(stable, replicas=stable_replicas),
+        Revision("canary", speculator, runtime, candidate, canary_replicas),
     ]
 
 
@@ -161,11 +193,9 @@ def _resources(profile: Profile, runtime: api.RuntimeSpec) -> dict:
 
 def deployment(serving: Serving, profile: Profile, revision: Revision) -> dict:
     name = revision_name(serving, revision)
-    pod_labels = {
-        **common_labels(serving, profile),
-        "specserve.io/revision": revision.hash,
-        "specserve.io/role": revision.role,
-    }
+    # The role (stable / canary) is a label of the Deployment, not of its pods: promotion turns the
+    # canary revision into the stable one without changing its pod template, so no pod restarts.
+    pod_labels = {**common_labels(serving, profile), "specserve.io/revision": revision.hash}
     kueue = profile.spec.kueue
     if kueue and kueue.local_queue:
         pod_labels["kueue.x-k8s.io/queue-name"] = kueue.local_queue
@@ -260,12 +290,15 @@ def service(serving: Serving, profile: Profile, name: str, selector: dict) -> di
     }
 
 
-def services(serving: Serving, profile: Profile) -> list[dict]:
-    """<name> reaches every ready pod; <name>-stable / -canary select by role, not by revision, so that
-    during a plain update the old and the new stable pods both serve until the old ones are removed."""
+def services(serving: Serving, profile: Profile, revs: list[Revision], traffic: Traffic) -> list[dict]:
+    """<name> reaches every ready pod of every revision. <name>-stable routes to the stable revision
+    (or, while a new stable revision is not ready yet, to the one that still serves) and
+    <name>-canary to the candidate's; both select by revision hash, which never changes on a pod."""
+    by_role = {revision.role: revision.hash for revision in revs}
+    backends = {"stable": traffic.stable_backend or by_role["stable"], "canary": by_role.get("canary", "none")}
     out = [service(serving, profile, serving.name, selector_labels(serving))]
-    for role in ("stable", "canary"):
-        selector = {**selector_labels(serving), "specserve.io/role": role}
+    for role, revision in backends.items():
+        selector = {**selector_labels(serving), "specserve.io/revision": revision}
         out.append(service(serving, profile, f"{serving.name}-{role}", selector))
     return out
 
@@ -318,17 +351,17 @@ def render_all(
     serving: Serving,
     profile: Profile,
     settings: Settings = Settings(),
-    canary_weight: int | None = None,
+    traffic: Traffic = Traffic(),
     wanted_replicas: int | None = None,
 ) -> list[dict]:
-    """Every child object. `canary_weight` is the rollout's current weight (None: no canary running)."""
+    """Every child object, for the rollout's current `traffic` decision."""
     spec = serving.spec
-    revs = revisions(spec, replica_budget(spec, profile.spec, wanted_replicas), canary_weight)
+    revs = revisions(spec, replica_budget(spec, profile.spec, wanted_replicas), traffic)
     objects = []
     for revision in revs:
         objects += [config_map(serving, profile, revision), deployment(serving, profile, revision)]
-    objects += services(serving, profile)
+    objects += services(serving, profile, revs, traffic)
     if spec.traffic.mode == "GatewayAPI":
-        objects.append(http_route(serving, profile, canary_weight if len(revs) > 1 else None))
+        objects.append(http_route(serving, profile, traffic.canary_weight if traffic.stage == "Canary" else None))
     objects += [pod_disruption_budget(serving, profile), network_policy(serving, profile, settings)]
     return objects

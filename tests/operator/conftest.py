@@ -6,8 +6,9 @@ import os
 import copy
 import logging
 
-# Resync often in tests: the timer is what notices Deployments becoming ready.
+# Resync often in tests: the timers are what notice Deployments becoming ready and analyses falling due.
 os.environ.setdefault("SPECSERVE_RESYNC_SECONDS", "0.3")
+os.environ.setdefault("SPECSERVE_ROLLOUT_TICK_SECONDS", "0.2")
 
 import kmock  # noqa: E402
 import kopf  # noqa: E402
@@ -116,8 +117,9 @@ def login_to_kmock(**_):
 
 
 @contextlib.asynccontextmanager
-async def running_operator(emulator):
-    """The real kopf operator (our handlers) in the test's event loop, stopped on exit."""
+async def running_operator(emulator, **memo):
+    """The real kopf operator (our handlers) in the test's event loop, stopped on exit. `memo` entries
+    replace the operator's own (`source` of measurements, `clock`)."""
     import specserve_operator.main  # noqa: F401  (registers the handlers)
 
     _CURRENT_SERVER["url"] = str(emulator.url).rstrip("/")
@@ -128,7 +130,7 @@ async def running_operator(emulator):
     task = asyncio.create_task(
         kopf.operator(
             standalone=True, clusterwide=True, stop_flag=stop, ready_flag=ready,
-            memo=kopf.Memo(cluster=cluster_client(emulator)), settings=settings,
+            memo=kopf.Memo(cluster=cluster_client(emulator), **memo), settings=settings,
         )
     )
     await asyncio.wait_for(ready.wait(), 10)

@@ -1,5 +1,7 @@
 """The Helm chart, rendered by Helm's own SDK and validated against Kubernetes 1.30 schemas."""
 
+import re
+
 import helm_python
 import kubernetes_validate
 import pytest
@@ -37,8 +39,85 @@ def test_rendered_chart_is_valid_and_least_privileged(chart, values):
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     expected_scope = ["--all-namespaces"] if not values else ["--namespace=team-a", "--namespace=team-b"]
     assert container["args"] == ["operator"] + expected_scope
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["SPECSERVE_PROMETHEUS_URL"] == ""  # by default the operator scrapes runtime pods directly
     role = next(o for o in objects if o["kind"] == "ClusterRole")
     assert not any("*" in rule["verbs"] or "*" in rule["resources"] for rule in role["rules"])
+    assert {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]} in role["rules"]  # direct scrape
+
+
+MONITORING_ON = {
+    "prometheus": {"url": "http://prometheus.monitoring:9090"},
+    "podMonitor": {"enabled": True, "labels": {"release": "kps"}},
+    "serviceMonitor": {"enabled": True},
+}
+
+
+def test_monitoring_values_render_prometheus_url_pod_and_service_monitors(chart):
+    objects = rendered_objects(chart, MONITORING_ON)
+    kinds = sorted(o["kind"] for o in objects)
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "PodMonitor", "Service", "ServiceAccount",
+                     "ServiceMonitor"]
+    for obj in objects:  # kubernetes-validate has no schemas for monitoring.coreos.com: checked by hand below
+        if obj["apiVersion"] != "monitoring.coreos.com/v1":
+            kubernetes_validate.validate(obj, "1.30", strict=True)
+    by_kind = {o["kind"]: o for o in objects}
+    deployment = by_kind["Deployment"]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["SPECSERVE_PROMETHEUS_URL"] == "http://prometheus.monitoring:9090"
+
+    pod_monitor = by_kind["PodMonitor"]
+    assert pod_monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert pod_monitor["metadata"]["namespace"] == "specserve-system"
+    assert pod_monitor["metadata"]["labels"]["release"] == "kps"
+    spec = pod_monitor["spec"]
+    assert spec["namespaceSelector"] == {"any": True}
+    assert spec["selector"] == {"matchLabels": {"app.kubernetes.io/name": "specserve-runtime"}}
+    (endpoint,) = spec["podMetricsEndpoints"]
+    assert endpoint["port"] == "http" and endpoint["path"] == "/metrics"
+    assert endpoint["relabelings"] == [
+        {"action": "replace", "sourceLabels": [f"__meta_kubernetes_pod_label_specserve_io_{label}"], "targetLabel": label}
+        for label in ("serving", "revision", "tenant")
+    ] + [{"action": "replace", "sourceLabels": ["__meta_kubernetes_namespace"], "targetLabel": "namespace"}]
+
+    service, service_monitor = by_kind["Service"], by_kind["ServiceMonitor"]
+    assert service["metadata"]["namespace"] == service_monitor["metadata"]["namespace"] == "specserve-system"
+    assert service["spec"]["ports"] == [{"name": "metrics", "port": 9090, "targetPort": "metrics", "protocol": "TCP"}]
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert {"name": "metrics", "containerPort": 9090} in container["ports"]
+    assert service_monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert service_monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert service_monitor["spec"]["namespaceSelector"] == {"matchNames": ["specserve-system"]}
+    assert service_monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics"}]
+
+
+def test_pod_monitor_selects_the_runtime_pods_the_operator_renders(chart, example_documents):
+    """The PodMonitor's selector, port and relabelings fit the pods of every revision render.py makes."""
+    from specserve_operator.render import Settings, Traffic, render_all
+    from specserve_operator.validate import parse_profile, parse_serving
+
+    by_kind = {d["kind"]: d for d in example_documents}
+    serving, serving_problems = parse_serving(by_kind["SpeculativeServing"])
+    profile, profile_problems = parse_profile(by_kind["ServingProfile"])
+    assert serving_problems == [] and profile_problems == []
+    deployments = [o for o in render_all(serving, profile, Settings(), Traffic("Canary", 10)) if o["kind"] == "Deployment"]
+    assert len(deployments) == 2  # stable and canary
+
+    spec = next(o for o in rendered_objects(chart, MONITORING_ON) if o["kind"] == "PodMonitor")["spec"]
+    (endpoint,) = spec["podMetricsEndpoints"]
+    prefix = "__meta_kubernetes_pod_label_"
+    for deployment in deployments:
+        pod = deployment["spec"]["template"]
+        assert spec["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+        assert endpoint["port"] in [p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])]
+        # Prometheus names a pod label's meta label by replacing every character outside [a-zA-Z0-9_] with _.
+        meta = {prefix + re.sub(r"[^a-zA-Z0-9_]", "_", key): value for key, value in pod["metadata"]["labels"].items()}
+        series = {r["targetLabel"]: meta.get(r["sourceLabels"][0]) for r in endpoint["relabelings"]
+                  if r["sourceLabels"][0].startswith(prefix)}
+        assert series == {"serving": serving.name, "revision": pod["metadata"]["labels"]["specserve.io/revision"],
+                          "tenant": profile.spec.tenant}
 
 
 def test_chart_carries_both_crds(chart):

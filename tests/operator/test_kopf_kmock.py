@@ -96,6 +96,32 @@ async def test_spec_change_rolls_a_new_revision_and_removes_the_old_once_ready(o
     assert await eventually(lambda: status_of(operator).get("phase") == "Serving")
 
 
+async def test_a_resync_in_flight_during_a_spec_change_never_deletes_the_new_revision(operator, serving, profile, monkeypatch):
+    """A timer that fetched the serving before a spec change must not act on that stale body (it would
+    delete the revision the change just created, as a fresh-machine run once showed)."""
+    from specserve_operator.apply import Cluster
+
+    apply = Cluster.apply
+
+    def slow_apply(self, obj):
+        time.sleep(0.05)  # a slow API server: with 0.3 s resyncs, some reconcile is nearly always in flight
+        return apply(self, obj)
+
+    await create(operator, profile)
+    await create(operator, with_uid(serving))
+    first = (await eventually(lambda: live(operator, DEPLOYMENTS)))[0]
+    await set_ready(operator, first, 2)
+    await eventually(lambda: status_of(operator).get("phase") == "Serving")
+    monkeypatch.setattr(Cluster, "apply", slow_apply)
+    await asyncio.sleep(0.5)
+    await merge_patch(operator, serving, {"spec": {"speculator": {"method": "ngram", "draftModel": None, "numSpeculativeTokens": 4}}})
+    both = await eventually(lambda: len(live(operator, DEPLOYMENTS)) == 2 and live(operator, DEPLOYMENTS))
+    second = next(name for name in both if name != first)
+    await asyncio.sleep(1.5)  # several resyncs, each slow
+    deleted = [r.url.path for r in requests_to(operator, "DELETE", DEPLOYMENTS)]
+    assert deleted == [] and live(operator, DEPLOYMENTS) == sorted([first, second])
+
+
 async def test_invalid_resource_is_reported_and_creates_nothing(operator, serving, profile):
     await create(operator, profile)
     serving["spec"]["replicas"] = {"min": 1, "max": 9}  # above the profile's maxReplicas (4)

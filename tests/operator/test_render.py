@@ -8,7 +8,7 @@ import yaml
 from jsonschema import validate as jsonschema_validate
 
 from specserve_operator.commands import RenderError, render_file
-from specserve_operator.render import Settings, render_all, revision_hash
+from specserve_operator.render import Settings, Traffic, candidate_runtime, render_all, replica_budget, revision_hash, split_replicas
 from specserve_operator.validate import check_against_profile, parse_profile, parse_serving
 
 from .conftest import EXAMPLE
@@ -64,7 +64,7 @@ def of_kind(objects, kind):
 def rendered(example_documents):
     serving, profile, _ = parsed(example_documents)
     serving = serving.__class__(serving.name, serving.namespace, "uid-1234", serving.spec)
-    return render_all(serving, profile, Settings(), canary_weight=10)
+    return render_all(serving, profile, Settings(), Traffic("Canary", 10))
 
 
 def test_every_object_is_valid_for_kubernetes_1_30(rendered):
@@ -126,13 +126,54 @@ def test_network_policy_admits_only_the_tenant_gateway_monitoring_and_operator(r
 
 
 def test_services_and_pdb(rendered):
+    stable, canary = [d["metadata"]["labels"]["specserve.io/revision"] for d in of_kind(rendered, "Deployment")]
     services = {s["metadata"]["name"]: s["spec"]["selector"] for s in of_kind(rendered, "Service")}
     assert services == {
         "qwen3-8b": {"specserve.io/serving": "qwen3-8b"},
-        "qwen3-8b-stable": {"specserve.io/serving": "qwen3-8b", "specserve.io/role": "stable"},
-        "qwen3-8b-canary": {"specserve.io/serving": "qwen3-8b", "specserve.io/role": "canary"},
+        "qwen3-8b-stable": {"specserve.io/serving": "qwen3-8b", "specserve.io/revision": stable},
+        "qwen3-8b-canary": {"specserve.io/serving": "qwen3-8b", "specserve.io/revision": canary},
     }
     assert of_kind(rendered, "PodDisruptionBudget")[0]["spec"]["maxUnavailable"] == 1
+
+
+def test_promotion_keeps_the_candidates_pod_template(example_documents):
+    """Promotion changes the candidate's Deployment role and replicas, never its pods; moving the
+    candidate into spec.speculator afterwards renders the very same revision."""
+    serving, profile, _ = parsed(example_documents)
+    canary = of_kind(render_all(serving, profile, Settings(), Traffic("Canary", 10)), "Deployment")[1]
+    promoted = of_kind(render_all(serving, profile, Settings(), Traffic("Promoted")), "Deployment")
+    assert len(promoted) == 1 and promoted[0]["metadata"]["name"] == canary["metadata"]["name"]
+    assert promoted[0]["spec"]["template"] == canary["spec"]["template"]
+    assert promoted[0]["metadata"]["labels"]["specserve.io/role"] == "stable"
+    assert promoted[0]["spec"]["replicas"] == replica_budget(serving.spec, profile.spec)
+    rollout = serving.spec.rollout
+    moved = serving.spec.model_copy(update={"speculator": rollout.candidate.speculator, "runtime": candidate_runtime(serving.spec),
+                                            "rollout": None})
+    after = of_kind(render_all(serving.__class__(serving.name, serving.namespace, None, moved), profile), "Deployment")
+    assert after[0]["metadata"]["name"] == canary["metadata"]["name"]
+    assert after[0]["spec"]["template"] == canary["spec"]["template"]
+
+
+def test_an_aborted_candidate_is_kept_at_zero_replicas(example_documents):
+    serving, profile, _ = parsed(example_documents)
+    deployments = of_kind(render_all(serving, profile, Settings(), Traffic("Aborted")), "Deployment")
+    assert [(d["metadata"]["labels"]["specserve.io/role"], d["spec"]["replicas"]) for d in deployments] == [
+        ("stable", replica_budget(serving.spec, profile.spec)), ("canary", 0)]
+    route = of_kind(render_all(serving, profile, Settings(), Traffic("Aborted")), "HTTPRoute")[0]
+    assert [b["name"] for b in route["spec"]["rules"][0]["backendRefs"]] == ["qwen3-8b-stable"]
+
+
+def test_the_stable_service_keeps_routing_to_the_serving_revision_until_the_new_one_is_ready(example_documents):
+    serving, profile, _ = parsed(example_documents)
+    objects = render_all(serving, profile, Settings(), Traffic(stable_backend="0ld0ld00"))
+    selector = next(s for s in of_kind(objects, "Service") if s["metadata"]["name"] == "qwen3-8b-stable")["spec"]["selector"]
+    assert selector["specserve.io/revision"] == "0ld0ld00"
+
+
+@pytest.mark.parametrize("total, weight, expected", [(1, 10, (1, 1)), (4, 50, (2, 2)), (10, 10, (9, 1)), (10, 25, (8, 2)),
+                                                      (10, 100, (1, 9)), (3, 50, (1, 2))])
+def test_replica_split_approximates_the_weight_with_one_replica_each_at_least(total, weight, expected):
+    assert split_replicas(total, weight) == expected
 
 
 def test_revision_hash_follows_the_pod_affecting_spec_only(example_documents):
@@ -150,7 +191,7 @@ def test_replica_ratio_mode_has_no_route_and_splits_replicas(example_documents):
     serving, profile, _ = parsed(example_documents)
     spec = serving.spec.model_copy(update={"traffic": serving.spec.traffic.model_copy(update={"mode": "ReplicaRatio", "gateway": None}),
                                            "replicas": serving.spec.replicas.model_copy(update={"min": 4})})
-    objects = render_all(serving.__class__(serving.name, serving.namespace, None, spec), profile, canary_weight=50)
+    objects = render_all(serving.__class__(serving.name, serving.namespace, None, spec), profile, traffic=Traffic("Canary", 50))
     assert of_kind(objects, "HTTPRoute") == []
     assert [d["spec"]["replicas"] for d in of_kind(objects, "Deployment")] == [2, 2]
     assert "ownerReferences" not in objects[0]["metadata"]  # no uid yet (render from a file)

@@ -1,0 +1,476 @@
+"""Measurements: what each revision of a serving did over one analysis window (I/O lives here only).
+
+Two sources produce the same `Window`:
+- `PrometheusSource`: the Prometheus HTTP API (`/api/v1/query`) over the vLLM metric names the
+  runtime exports, selected by the series labels `namespace`, `serving`, `revision` (the chart's
+  PodMonitor maps the pod labels `specserve.io/serving` / `specserve.io/revision` onto them).
+- `ScrapeSource`: no Prometheus configured; scrape the ready pods' /metrics directly and
+  difference two scrapes of the same pods.
+
+"No data" is a Window with `missing` set to a reason, never zeros: the analysis treats it as
+Inconclusive and the autoscaler holds. A source that cannot be asked at all (Prometheus down)
+raises MeasurementError instead.
+
+Definitions, the same for both sources (increase = over the window, summed over the pods):
+  tokens_per_second      increase(vllm:generation_tokens_total) / window
+  p99_*_ms               histogram_quantile(0.99) of the increase of the histogram's buckets
+  acceptance_length      1 + increase(accepted tokens) / increase(drafts); None without drafts
+  accepted_per_position  increase(accepted at position i) / increase(drafts)
+  error_rate             finished with reason abort or error / all finished; None when none finished
+  in_flight_per_replica  increase(vllm:e2e_request_latency_seconds_sum) / window / ready replicas
+`promql(target, seconds)` gives the exact queries PrometheusSource runs; `histogram_quantile` is
+PromQL's own, so both sources compute latency quantiles identically.
+"""
+
+import base64
+import http.client
+import json
+import math
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """What one replica costs: from the ServingProfile's accelerator block."""
+
+    accelerators_per_replica: int = 0
+    price_per_accelerator_hour_usd: float = 0.0
+
+    @property
+    def replica_hourly_usd(self) -> float:
+        return self.accelerators_per_replica * self.price_per_accelerator_hour_usd
+
+
+@dataclass(frozen=True)
+class Target:
+    """One revision to measure."""
+
+    namespace: str | None  # None or "": any namespace (the local `specserve canary` has none)
+    serving: str
+    revision: str
+    ready_replicas: int
+    pod_urls: tuple[str, ...] = ()  # http://IP:PORT of the ready pods (ScrapeSource only)
+
+
+@dataclass(frozen=True)
+class Window:
+    """One revision over one window, summed over its ready replicas.
+
+    in_flight_per_replica is the time-averaged number of requests in the system (running or
+    waiting) per ready replica, by Little's law: rate(sum of e2e request latency) / replicas.
+    """
+
+    revision: str
+    seconds: float
+    ready_replicas: int
+    tokens_per_second: float | None = None
+    generated_tokens: float | None = None
+    p99_inter_token_latency_ms: float | None = None
+    p99_time_to_first_token_ms: float | None = None
+    acceptance_length: float | None = None  # 1 + accepted / drafts; None: no drafts in the window
+    accepted_per_position: tuple[float, ...] = ()  # accepted / drafts at draft position 0, 1, ...
+    finished_requests: float | None = None
+    error_rate: float | None = None  # finished with reason abort or error / all finished
+    in_flight_per_replica: float | None = None
+    hourly_cost_usd: float | None = None
+    tokens_per_dollar: float | None = None
+    missing: str | None = None  # set: no data, and why
+
+    @classmethod
+    def no_data(cls, target: Target, seconds: float, reason: str) -> "Window":
+        return cls(revision=target.revision, seconds=seconds, ready_replicas=target.ready_replicas, missing=reason)
+
+    def priced(self, pricing: Pricing) -> "Window":
+        """Hourly cost of the ready replicas and tokens per dollar at that cost."""
+        hourly = self.ready_replicas * pricing.replica_hourly_usd
+        per_dollar = None
+        if self.tokens_per_second is not None and hourly > 0:
+            per_dollar = self.tokens_per_second / (hourly / 3600)
+        return replace(self, hourly_cost_usd=hourly, tokens_per_dollar=per_dollar)
+
+
+# The runtime's metric names (vLLM's; see runtime/specserve_runtime/metrics.py).
+GENERATION_TOKENS = "vllm:generation_tokens_total"
+DRAFTS = "vllm:spec_decode_num_drafts_total"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+ACCEPTED_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+REQUEST_SUCCESS = "vllm:request_success_total"
+INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"
+TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"
+E2E_LATENCY = "vllm:e2e_request_latency_seconds"
+ERROR_REASONS = ("abort", "error")  # finished_reason values that count as errors
+
+# The samples a window needs, each with the one label that tells its series apart; every other
+# label (model_name, engine) is summed away.
+KEY_LABEL = {
+    GENERATION_TOKENS: "",
+    DRAFTS: "",
+    ACCEPTED: "",
+    ACCEPTED_PER_POSITION: "position",
+    REQUEST_SUCCESS: "finished_reason",
+    INTER_TOKEN_LATENCY + "_bucket": "le",
+    TIME_TO_FIRST_TOKEN + "_bucket": "le",
+    E2E_LATENCY + "_sum": "",
+}
+
+Key = tuple[str, str]  # (sample name, value of its KEY_LABEL or "")
+
+
+class MeasurementError(Exception):
+    """The source could not be asked at all (Prometheus unreachable, an HTTP error, a bad answer).
+
+    Not "no data": the operator turns it into an Event and a condition. The message names the
+    URL (without credentials) and the cause.
+    """
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """The q-quantile of a classic histogram, exactly as PromQL's histogram_quantile computes it
+    (Prometheus 2.42, promql/quantile.go `bucketQuantile`); None where Prometheus gives NaN.
+
+    `buckets` are (upper bound `le`, cumulative count), +Inf included, in any order. Bounds that
+    occur twice are merged, and a count lower than the one below it is raised to it. The value
+    is interpolated linearly inside the bucket holding rank q * total, from 0 (or the bound
+    below) to its upper bound; in the +Inf bucket it is the highest finite bound, and in a first
+    bucket whose upper bound is <= 0 it is that bound.
+    """
+    if math.isnan(q):
+        return None
+    if q < 0:
+        return -math.inf
+    if q > 1:
+        return math.inf
+    if not buckets:
+        return None
+    ordered = sorted(buckets, key=lambda bucket: bucket[0])
+    if ordered[-1][0] != math.inf:
+        return None
+    merged: list[list[float]] = []  # [upper bound, cumulative count], one per distinct bound
+    for bound, count in ordered:
+        if merged and merged[-1][0] == bound:
+            merged[-1][1] += count
+        else:
+            merged.append([bound, count])
+    highest = merged[0][1]
+    for bucket in merged[1:]:  # Prometheus' ensureMonotonic
+        highest = max(highest, bucket[1])
+        bucket[1] = highest
+    if len(merged) < 2:
+        return None
+    observations = merged[-1][1]
+    if observations == 0:
+        return None
+    rank = q * observations
+    b = next((i for i, (_, count) in enumerate(merged[:-1]) if count >= rank), len(merged) - 1)
+    if b == len(merged) - 1:
+        return merged[-2][0]
+    if b == 0 and merged[0][0] <= 0:
+        return merged[0][0]
+    start, end, count = 0.0, merged[b][0], merged[b][1]
+    if b > 0:
+        start = merged[b - 1][0]
+        count -= merged[b - 1][1]
+        rank -= merged[b - 1][1]
+    if count == 0:  # 0/0: q == 0 with an empty first bucket
+        return None
+    value = start + (end - start) * (rank / count)
+    return None if math.isnan(value) else value
+
+
+# ----- the pure core: two scrapes of a revision's pods -> Window -----------------------------------
+
+
+def parse_metrics(text: str) -> dict[Key, float]:
+    """The samples a window needs from one pod's /metrics text (Prometheus text format)."""
+    values: dict[Key, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            label = KEY_LABEL.get(sample.name)
+            if label is None:
+                continue
+            key = (sample.name, sample.labels.get(label, "") if label else "")
+            values[key] = values.get(key, 0.0) + sample.value
+    return values
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One scrape of a revision's pods: each pod's cumulative values, by pod (its URL).
+
+    Pods are kept apart so that a counter reset on one pod is seen even when another pod's
+    growth would hide it in the sum.
+    """
+
+    pods: dict[str, dict[Key, float]]
+
+    @classmethod
+    def from_text(cls, texts: dict[str, str]) -> "Snapshot":
+        return cls({pod: parse_metrics(text) for pod, text in texts.items()})
+
+
+def window_between(before: Snapshot, after: Snapshot, target: Target, seconds: float) -> Window:
+    """What `target` did between two scrapes of the same pods taken `seconds` apart, summed over the pods."""
+    if target.ready_replicas <= 0:
+        return Window.no_data(target, seconds, "no ready replicas")
+    if seconds <= 0:
+        return Window.no_data(target, seconds, f"empty window ({seconds} s between the scrapes)")
+    gone = sorted(before.pods.keys() - after.pods.keys())
+    new = sorted(after.pods.keys() - before.pods.keys())
+    if gone or new:
+        return Window.no_data(target, seconds, f"pods changed between the two scrapes "
+                                               f"(gone: {', '.join(gone) or 'none'}; new: {', '.join(new) or 'none'})")
+    increase: dict[Key, float] = {}
+    for pod, values in after.pods.items():
+        previous = before.pods[pod]
+        for key in values.keys() | previous.keys():
+            change = values.get(key, 0.0) - previous.get(key, 0.0)
+            if change < 0:
+                name, label = key
+                series = f'{name}{{{KEY_LABEL[name]}="{label}"}}' if label else name
+                reason = f"counter reset on {pod}: {series} went down (the pod restarted)"
+                return Window.no_data(target, seconds, reason)
+            increase[key] = increase.get(key, 0.0) + change
+
+    def total(name: str) -> float:
+        return sum(value for (sample, _), value in increase.items() if sample == name)
+
+    def by_label(name: str) -> dict[str, float]:
+        return {label: value for (sample, label), value in increase.items() if sample == name}
+
+    def p99_ms(histogram: str) -> float | None:
+        buckets = [(float(le), count) for le, count in by_label(histogram + "_bucket").items()]
+        return _ms(histogram_quantile(0.99, buckets))
+
+    generated = total(GENERATION_TOKENS)
+    reasons = by_label(REQUEST_SUCCESS)
+    finished = sum(reasons.values())
+    if generated == 0 and finished == 0:
+        return Window.no_data(target, seconds, "no traffic in the window")
+    drafts = total(DRAFTS)
+    in_flight = None
+    if (E2E_LATENCY + "_sum", "") in increase:
+        in_flight = increase[E2E_LATENCY + "_sum", ""] / seconds / target.ready_replicas
+    return Window(
+        revision=target.revision,
+        seconds=seconds,
+        ready_replicas=target.ready_replicas,
+        tokens_per_second=generated / seconds,
+        generated_tokens=generated,
+        p99_inter_token_latency_ms=p99_ms(INTER_TOKEN_LATENCY),
+        p99_time_to_first_token_ms=p99_ms(TIME_TO_FIRST_TOKEN),
+        acceptance_length=1 + total(ACCEPTED) / drafts if drafts else None,
+        accepted_per_position=_per_position(by_label(ACCEPTED_PER_POSITION), drafts),
+        finished_requests=finished,
+        error_rate=sum(reasons.get(reason, 0.0) for reason in ERROR_REASONS) / finished if finished else None,
+        in_flight_per_replica=in_flight,
+    )
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None or not math.isfinite(seconds) else seconds * 1000
+
+
+def _per_position(accepted: dict[str, float], drafts: float) -> tuple[float, ...]:
+    """accepted / drafts at positions 0, 1, ... (a position never accepted counts 0)."""
+    if not drafts or not accepted:
+        return ()
+    by_position = {int(position): count for position, count in accepted.items()}
+    return tuple(by_position.get(position, 0.0) / drafts for position in range(max(by_position) + 1))
+
+
+def _cause(exc: BaseException) -> str:
+    if isinstance(exc, urllib.error.HTTPError):
+        return f"HTTP {exc.code} {exc.reason}"
+    if isinstance(exc, urllib.error.URLError):
+        return str(exc.reason)
+    return str(exc) or type(exc).__name__
+
+
+# ----- ScrapeSource: the pods' /metrics directly -------------------------------------------------
+
+
+class ScrapeSource:
+    """No Prometheus configured: scrape every ready pod's /metrics and difference against the
+    previous scrape of the same revision's pods. The window is the time actually elapsed between
+    the two scrapes (not the requested `seconds`), so the first call per revision only records a
+    baseline. Never raises: an unreachable pod is a window with no data naming the pod."""
+
+    def __init__(self, fetch: Callable[[str], str] | None = None, clock: Callable[[], float] = time.monotonic,
+                 timeout: float = 3):
+        self.fetch = fetch or (lambda url: _get(url, timeout))
+        self.clock = clock
+        self.previous: dict[tuple, tuple[float, Snapshot]] = {}  # (namespace, serving, revision) -> (when, scrape)
+
+    def measure(self, target: Target, seconds: float) -> Window:
+        key = (target.namespace, target.serving, target.revision)
+        if target.ready_replicas <= 0 or not target.pod_urls:
+            self.previous.pop(key, None)
+            return Window.no_data(target, seconds, "no ready replicas")
+        now = self.clock()
+        values = {}
+        for url in target.pod_urls:
+            metrics_url = url.rstrip("/") + "/metrics"
+            try:
+                values[url] = parse_metrics(self.fetch(metrics_url))
+            except (OSError, http.client.HTTPException, ValueError) as exc:  # the last baseline stays
+                return Window.no_data(target, seconds, f"cannot scrape {metrics_url}: {_cause(exc)}")
+        snapshot = Snapshot(values)
+        before = self.previous.get(key)
+        self.previous[key] = (now, snapshot)
+        if before is None:
+            return Window.no_data(target, seconds, "first scrape; a window needs two")
+        then, previous = before
+        return window_between(previous, snapshot, target, now - then)
+
+
+def _get(url: str, timeout: float) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read().decode()
+
+
+# ----- PrometheusSource: the Prometheus HTTP API ---------------------------------------------------
+
+
+def selector(target: Target, *matchers: str) -> str:
+    """The series of one revision: {namespace="..",serving="..",revision=".."} (no namespace when
+    the target has none, as for the local `specserve canary`), plus any extra matchers."""
+    labels = {"namespace": target.namespace, "serving": target.serving, "revision": target.revision}
+    # json.dumps quotes and escapes as a PromQL string literal needs
+    parts = [f"{name}={json.dumps(value)}" for name, value in labels.items() if value]
+    return "{" + ",".join(parts + list(matchers)) + "}"
+
+
+def window_seconds(seconds: float) -> int:
+    """The range PrometheusSource asks for: whole seconds, at least 1."""
+    return max(1, round(seconds))
+
+
+def promql(target: Target, seconds: float) -> dict[str, str]:
+    """The instant queries PrometheusSource runs for one revision over the last `seconds`, by name."""
+    series = selector(target)
+    errors = selector(target, f'finished_reason=~"{"|".join(ERROR_REASONS)}"')
+    w = f"[{window_seconds(seconds)}s]"
+
+    def p99(histogram: str) -> str:
+        return f"histogram_quantile(0.99, sum by (le) (rate({histogram}_bucket{series}{w})))"
+
+    return {
+        "samples": f"count_over_time({GENERATION_TOKENS}{series}{w})",
+        "tokens_per_second": f"sum(rate({GENERATION_TOKENS}{series}{w}))",
+        "generated_tokens": f"sum(increase({GENERATION_TOKENS}{series}{w}))",
+        "p99_inter_token_latency": p99(INTER_TOKEN_LATENCY),
+        "p99_time_to_first_token": p99(TIME_TO_FIRST_TOKEN),
+        "acceptance_length": f"1 + sum(rate({ACCEPTED}{series}{w})) / sum(rate({DRAFTS}{series}{w}))",
+        "drafts": f"sum(increase({DRAFTS}{series}{w}))",
+        "accepted_per_position": f"sum by (position) (increase({ACCEPTED_PER_POSITION}{series}{w}))",
+        "finished_requests": f"sum(increase({REQUEST_SUCCESS}{series}{w}))",
+        "failed_requests": f"sum(increase({REQUEST_SUCCESS}{errors}{w}))",
+        "in_flight_per_replica": f"sum(rate({E2E_LATENCY}_sum{series}{w})) / {target.ready_replicas}",
+    }
+
+
+class PrometheusSource:
+    """Measure through the Prometheus HTTP API: instant queries (at now) over the last `seconds`.
+
+    Generated tokens must be present with at least two samples per series in the window, else
+    the window has no data, naming what was absent; latency quantiles, acceptance and in-flight
+    are None where Prometheus has no value (NaN or no series). A Prometheus that cannot be asked
+    raises MeasurementError. Credentials in the URL (http://user:password@host) are sent as
+    basic auth and never appear in messages.
+    """
+
+    def __init__(self, url: str, timeout: float = 5):
+        parts = urllib.parse.urlsplit(url.rstrip("/"))
+        self.headers = {}
+        if parts.username is not None:
+            login = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
+            self.headers["Authorization"] = "Basic " + base64.b64encode(login.encode()).decode()
+            parts = parts._replace(netloc=parts.netloc.rpartition("@")[2])
+        self.url = urllib.parse.urlunsplit(parts)
+        self.timeout = timeout
+
+    def measure(self, target: Target, seconds: float) -> Window:
+        w = window_seconds(seconds)
+        if target.ready_replicas <= 0:
+            return Window.no_data(target, w, "no ready replicas")
+        queries = promql(target, seconds)
+        samples = self.query(queries["samples"])
+        if not samples:
+            return Window.no_data(target, w, f"no {GENERATION_TOKENS} series for {selector(target)} in the last {w} s")
+        fewest_labels, fewest = min(samples, key=lambda sample: sample[1])
+        if fewest < 2:
+            instance = fewest_labels.get("instance") or fewest_labels.get("pod") or json.dumps(fewest_labels)
+            return Window.no_data(target, w, f"too few samples: {GENERATION_TOKENS} of {instance} has {fewest:g} "
+                                             f"in the last {w} s; a rate needs 2")
+        numbers = {}
+        for name in ("tokens_per_second", "generated_tokens"):
+            numbers[name] = self.value(queries[name])
+            if numbers[name] is None:
+                return Window.no_data(target, w, f"no value for {name} ({queries[name]})")
+        finished = self.value(queries["finished_requests"]) or 0.0  # no series: no request ever finished
+        if numbers["generated_tokens"] == 0 and finished == 0:
+            return Window.no_data(target, w, "no traffic in the window")
+        drafts = self.value(queries["drafts"])
+        accepted = {labels.get("position", ""): value for labels, value in self.query(queries["accepted_per_position"])}
+        failed = self.value(queries["failed_requests"]) or 0.0
+        return Window(
+            revision=target.revision,
+            seconds=float(w),
+            ready_replicas=target.ready_replicas,
+            tokens_per_second=numbers["tokens_per_second"],
+            generated_tokens=numbers["generated_tokens"],
+            p99_inter_token_latency_ms=_ms(self.value(queries["p99_inter_token_latency"])),
+            p99_time_to_first_token_ms=_ms(self.value(queries["p99_time_to_first_token"])),
+            acceptance_length=self.value(queries["acceptance_length"]) if drafts else None,
+            accepted_per_position=_per_position(accepted, drafts or 0.0),
+            finished_requests=finished,
+            error_rate=failed / finished if finished else None,
+            in_flight_per_replica=self.value(queries["in_flight_per_replica"]),
+        )
+
+    def value(self, query: str) -> float | None:
+        """The single value of an aggregating query; None when there is no series or it is NaN or infinite."""
+        samples = self.query(query)
+        if not samples:
+            return None
+        value = samples[0][1]
+        return value if math.isfinite(value) else None
+
+    def query(self, query: str) -> list[tuple[dict[str, str], float]]:
+        """An instant query at now: (labels, value) per series of the resulting vector."""
+        endpoint = f"{self.url}/api/v1/query"
+        request = urllib.request.Request(f"{endpoint}?{urllib.parse.urlencode({'query': query})}", headers=self.headers)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                answer = json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            raise MeasurementError(f"Prometheus at {endpoint} answered {_cause(exc)}{_api_error(exc)} "
+                                   f"to the query {query}") from None
+        except (OSError, http.client.HTTPException) as exc:
+            raise MeasurementError(f"cannot reach Prometheus at {endpoint}: {_cause(exc)}") from None
+        except ValueError as exc:
+            raise MeasurementError(f"Prometheus at {endpoint} answered with invalid JSON ({exc}) "
+                                   f"to the query {query}") from None
+        try:
+            if answer["status"] != "success":
+                raise MeasurementError(f"Prometheus at {endpoint} answered {answer.get('errorType')}: "
+                                       f"{answer.get('error')} to the query {query}")
+            return [(series["metric"], float(series["value"][1])) for series in answer["data"]["result"]]
+        except (KeyError, TypeError, IndexError, ValueError) as exc:
+            raise MeasurementError(f"Prometheus at {endpoint} answered an unexpected shape "
+                                   f"({type(exc).__name__}: {exc}) to the query {query}") from None
+
+
+def _api_error(exc: urllib.error.HTTPError) -> str:
+    """Prometheus' own error text from an HTTP error's JSON body, if it has one."""
+    try:
+        return f" ({json.loads(exc.read())['error']})"
+    except Exception:  # noqa: BLE001 - any body at all; the status is reported either way
+        return ""

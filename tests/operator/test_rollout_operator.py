@@ -1,0 +1,259 @@
+"""Canary rollouts through the real kopf operator against KMock.
+
+Measurements come from a scripted source (the real sources are tested against a real Prometheus
+in test_measure.py) and time from a clock the test advances, so a 60-second analysis interval
+takes as long as one timer tick.
+"""
+
+import asyncio
+import copy
+import datetime
+
+import pytest
+
+from specserve_operator.measure import MeasurementError, Window
+
+from .conftest import SERVINGS_RESOURCE, running_operator
+from .test_kopf_kmock import DEPLOYMENTS, create, eventually, live, merge_patch, set_ready, status_of, with_uid
+
+ROUTES = "gateway.networking.k8s.io/v1/httproutes"
+GOOD = dict(seconds=30, ready_replicas=1, tokens_per_second=300.0, generated_tokens=9000, p99_inter_token_latency_ms=20.0,
+            p99_time_to_first_token_ms=150.0, acceptance_length=3.5, finished_requests=40, error_rate=0.0,
+            in_flight_per_replica=2.0)
+STABLE = {**GOOD, "tokens_per_second": 200.0, "p99_inter_token_latency_ms": 30.0, "acceptance_length": 2.0}
+UNTRAINED = {**GOOD, "acceptance_length": 1.05, "tokens_per_second": 150.0, "p99_inter_token_latency_ms": 45.0}
+
+
+class ScriptedSource:
+    """Windows by revision: the stable's numbers unless the test scripted the revision; or an outage."""
+
+    def __init__(self):
+        self.by_revision: dict[str, dict] = {}
+        self.outage = False
+        self.calls = 0
+
+    def measure(self, target, seconds):
+        self.calls += 1
+        if self.outage:
+            raise MeasurementError("Prometheus http://prometheus.monitoring:9090 unreachable (connection refused)")
+        fields = self.by_revision.get(target.revision, STABLE)
+        return Window(revision=target.revision, **{**fields, "ready_replicas": target.ready_replicas})
+
+
+class Clock:
+    def __init__(self):
+        self.now = datetime.datetime(2026, 11, 23, 10, 0, 0, tzinfo=datetime.timezone.utc)
+
+    def __call__(self):
+        return self.now
+
+    def advance(self, seconds):
+        self.now += datetime.timedelta(seconds=seconds)
+
+
+@pytest.fixture
+def source():
+    return ScriptedSource()
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+async def operator(emulator, source, clock):
+    async with running_operator(emulator, source=source, clock=clock):
+        yield emulator
+
+
+def with_rollout(serving, auto_promote=True, gateway=False):
+    serving = copy.deepcopy(serving)
+    serving["spec"]["replicas"] = {"min": 4, "max": 4}
+    serving["spec"]["rollout"] = {
+        "candidate": {"speculator": {"method": "dflash", "draftModel": "hf://z-lab/Qwen3-8B-DFlash-b16", "numSpeculativeTokens": 15}},
+        "steps": [{"weight": 25, "analysisSeconds": 60}, {"weight": 50, "analysisSeconds": 60}],
+        "analysis": {"intervalSeconds": 30, "minAcceptanceLength": 3.0, "maxP99LatencyRatio": 1.05,
+                     "minTokensPerDollarGain": 1.1, "failureLimit": 2},
+        "autoPromote": auto_promote,
+    }
+    if gateway:
+        serving["spec"]["traffic"] = {"mode": "GatewayAPI", "gateway": {"parentRefs": [{"name": "gw", "namespace": "gateways"}]}}
+    return serving
+
+
+def deployment(emulator, revision, name="qwen3-8b"):
+    return emulator.objects[DEPLOYMENTS, "team-a", f"{name}-{revision}"]
+
+
+def events(emulator, reason):
+    """Messages of the Events posted with this reason. Read from the requests: KMock ignores the
+    generateName kopf posts Events with, so it stores only the first one per namespace."""
+    found = []
+    for request in list(emulator):
+        if request.method.value == "POST" and request.resource is not None and request.resource.plural == "events":
+            if (request.data or {}).get("reason") == reason:
+                found.append(request.data["message"])
+    return found
+
+
+async def start_canary(emulator, serving, profile, source, candidate_numbers=GOOD):
+    """Create the serving, wait for both revisions, script the candidate's numbers, make the pods ready."""
+    await create(emulator, profile)
+    await create(emulator, with_uid(serving))
+    canary = await eventually(lambda: (status_of(emulator).get("canary") or {}).get("revision"))
+    source.by_revision[canary] = candidate_numbers
+    stable = status_of(emulator)["stable"]["revision"]
+    await eventually(lambda: len(live(emulator, DEPLOYMENTS)) == 2)
+    await set_ready(emulator, f"qwen3-8b-{stable}", 3)
+    await set_ready(emulator, f"qwen3-8b-{canary}", 1)
+    return stable, canary
+
+
+def canary_field(emulator, key):
+    return (status_of(emulator).get("canary") or {}).get(key)
+
+
+async def test_passing_analyses_walk_the_steps_and_promote_without_restarting_pods(operator, serving, profile, source, clock):
+    stable, canary = await start_canary(operator, with_rollout(serving), profile, source)
+    assert status_of(operator)["phase"] == "Progressing" and canary_field(operator, "weight") == 25
+    assert [deployment(operator, r)["spec"]["replicas"] for r in (stable, canary)] == [3, 1]
+    template = copy.deepcopy(deployment(operator, canary)["spec"]["template"])
+
+    clock.advance(30)  # first analysis: passes, but step 0 holds for 60 s
+    assert await eventually(lambda: len(canary_field(operator, "history") or []) == 1)
+    assert canary_field(operator, "step") == 0 and canary_field(operator, "lastAnalysis")["verdict"] == "Pass"
+    clock.advance(30)
+    assert await eventually(lambda: canary_field(operator, "step") == 1)
+    assert canary_field(operator, "weight") == 50
+    assert await eventually(lambda: [deployment(operator, r)["spec"]["replicas"] for r in (stable, canary)] == [2, 2])
+    assert await eventually(lambda: events(operator, "StepAdvanced"))
+
+    clock.advance(30)
+    clock.advance(30)
+    assert await eventually(lambda: status_of(operator).get("phase") == "Promoting")
+    promoted = deployment(operator, canary)
+    assert promoted["metadata"]["labels"]["specserve.io/role"] == "stable"
+    assert promoted["spec"]["template"] == template  # same pods: promotion restarts nothing
+    assert await eventually(lambda: deployment(operator, canary)["spec"]["replicas"] == 4)
+    assert stable in [name.removeprefix("qwen3-8b-") for name in live(operator, DEPLOYMENTS)]  # old serves until ready
+    await set_ready(operator, f"qwen3-8b-{canary}", 4)
+    assert await eventually(lambda: live(operator, DEPLOYMENTS) == [f"qwen3-8b-{canary}"])
+    assert await eventually(lambda: status_of(operator).get("phase") == "Serving")
+    status = status_of(operator)
+    assert status["stable"]["revision"] == canary and status["lastRollout"]["outcome"] == "Promoted"
+    assert status.get("canary") is None
+    assert events(operator, "Promoted")
+
+
+async def test_a_failing_candidate_rolls_back_within_the_failure_limit(operator, serving, profile, source, clock):
+    stable, canary = await start_canary(operator, with_rollout(serving), profile, source, UNTRAINED)
+
+    clock.advance(30)
+    assert await eventually(lambda: canary_field(operator, "failedChecks") == 1)
+    assert status_of(operator)["phase"] == "Progressing"
+    clock.advance(30)
+    assert await eventually(lambda: (status_of(operator).get("lastRollout") or {}).get("outcome") == "Aborted")
+    status = status_of(operator)
+    aborted = next(c for c in status["conditions"] if c["type"] == "RolloutAborted")
+    assert aborted["status"] == "True" and "acceptanceLength: Fail (1.05 < 3)" in aborted["message"]
+    assert await eventually(lambda: deployment(operator, canary)["spec"]["replicas"] == 0)  # kept, for inspection
+    assert await eventually(lambda: deployment(operator, stable)["spec"]["replicas"] == 4)
+    assert status_of(operator)["phase"] == "RollingBack"  # the candidate's pod is still ready
+    await set_ready(operator, f"qwen3-8b-{canary}", 0)
+    await set_ready(operator, f"qwen3-8b-{stable}", 4)
+    assert await eventually(lambda: status_of(operator).get("phase") == "Serving")
+    assert any("p99LatencyRatio: Fail" in message for message in await eventually(lambda: events(operator, "RolloutAborted")))
+
+    clock.advance(600)  # no retry while the candidate is unchanged
+    calls = source.calls
+    await asyncio.sleep(1.0)  # several ticks: nothing is measured, nothing restarts
+    assert source.calls == calls and status_of(operator)["lastRollout"]["outcome"] == "Aborted"
+    assert deployment(operator, canary)["spec"]["replicas"] == 0
+
+
+async def test_abort_then_retry_annotations(operator, serving, profile, source):
+    stable, canary = await start_canary(operator, with_rollout(serving), profile, source)
+    await merge_patch(operator, serving, {"metadata": {"annotations": {"specserve.io/abort": "true"}}})
+    assert await eventually(lambda: (status_of(operator).get("lastRollout") or {}).get("outcome") == "Aborted")
+    assert await eventually(lambda: "specserve.io/abort" not in (operator.objects[SERVINGS_RESOURCE, "team-a", "qwen3-8b"]["metadata"].get("annotations") or {}))
+    assert "aborted by annotation" in status_of(operator)["lastRollout"]["message"]
+
+    await merge_patch(operator, serving, {"metadata": {"annotations": {"specserve.io/retry": "true"}}})
+    assert await eventually(lambda: status_of(operator).get("lastRollout") is None and canary_field(operator, "step") == 0)
+    assert await eventually(lambda: deployment(operator, canary)["spec"]["replicas"] == 1)
+    assert status_of(operator)["phase"] == "Progressing"
+
+
+async def test_without_auto_promote_the_last_step_waits_for_the_promote_annotation(operator, serving, profile, source, clock):
+    stable, canary = await start_canary(operator, with_rollout(serving, auto_promote=False), profile, source)
+    for _ in range(4):
+        clock.advance(30)
+        history = len(canary_field(operator, "history") or [])
+        assert await eventually(lambda: len(canary_field(operator, "history") or []) > history)
+    assert await eventually(lambda: canary_field(operator, "state") == "AwaitingPromotion")
+    assert status_of(operator)["phase"] == "Progressing"
+    await merge_patch(operator, serving, {"metadata": {"annotations": {"specserve.io/promote": "true"}}})
+    assert await eventually(lambda: (status_of(operator).get("lastRollout") or {}).get("outcome") == "Promoted")
+
+
+async def test_an_operator_restart_mid_step_resumes_without_replaying_or_skipping(emulator, serving, profile, source, clock):
+    async with running_operator(emulator, source=source, clock=clock):
+        stable, canary = await start_canary(emulator, with_rollout(serving), profile, source)
+        clock.advance(30)
+        assert await eventually(lambda: len(canary_field(emulator, "history") or []) == 1)
+        clock.advance(30)
+        assert await eventually(lambda: canary_field(emulator, "step") == 1)
+        before = copy.deepcopy(status_of(emulator)["canary"])
+    clock.advance(10)  # the new operator starts 10 s into step 1: nothing is due yet
+    async with running_operator(emulator, source=source, clock=clock):
+        calls = source.calls
+        await asyncio.sleep(1.0)  # several ticks of the new operator
+        assert source.calls == calls  # nothing was due: no interval replayed
+        after = status_of(emulator)["canary"]
+        assert (after["step"], after["stepStartedAt"], after["history"]) == (before["step"], before["stepStartedAt"], before["history"])
+        clock.advance(20)  # the interval since the last analysis is complete: exactly one more analysis
+        assert await eventually(lambda: len(canary_field(emulator, "history")) == len(before["history"]) + 1)
+        assert canary_field(emulator, "step") == 1
+
+
+async def test_a_prometheus_outage_holds_the_step_and_says_so(operator, serving, profile, source, clock):
+    stable, canary = await start_canary(operator, with_rollout(serving), profile, source)
+    source.outage = True
+    for count in range(1, 4):
+        clock.advance(60)
+        assert await eventually(lambda: canary_field(operator, "inconclusiveChecks") == count)
+    status = status_of(operator)
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["MetricsAvailable"]["status"] == "False" and "unreachable" in conditions["MetricsAvailable"]["message"]
+    assert conditions["AnalysisInconclusive"]["status"] == "True"
+    assert status["phase"] == "Progressing" and canary_field(operator, "step") == 0  # held, never promoted
+    assert await eventually(lambda: events(operator, "MeasurementFailed"))
+    source.outage = False
+    clock.advance(30)
+    assert await eventually(lambda: canary_field(operator, "step") == 1)  # the outage lost no step
+    conditions = {c["type"]: c for c in status_of(operator)["conditions"]}
+    assert conditions["MetricsAvailable"]["status"] == "True" and conditions["AnalysisInconclusive"]["status"] == "False"
+
+
+async def test_gateway_api_weights_follow_the_steps(operator, serving, profile, source, clock):
+    stable, canary = await start_canary(operator, with_rollout(serving, gateway=True), profile, source)
+
+    def weights():
+        route = operator.objects[ROUTES, "team-a", "qwen3-8b"]
+        return [(b["name"], b["weight"]) for b in route["spec"]["rules"][0]["backendRefs"]]
+
+    assert await eventually(lambda: weights() == [("qwen3-8b-stable", 75), ("qwen3-8b-canary", 25)])
+    clock.advance(30)
+    clock.advance(30)
+    assert await eventually(lambda: weights() == [("qwen3-8b-stable", 50), ("qwen3-8b-canary", 50)])
+    clock.advance(30)
+    clock.advance(30)
+    assert await eventually(lambda: weights() == [("qwen3-8b-stable", 100)])
+
+    def stable_selector():
+        return operator.objects["v1/services", "team-a", "qwen3-8b-stable"]["spec"]["selector"]["specserve.io/revision"]
+
+    assert stable_selector() == stable  # the promoted revision is not ready with all replicas yet
+    await set_ready(operator, f"qwen3-8b-{canary}", 4)
+    assert await eventually(lambda: stable_selector() == canary)
