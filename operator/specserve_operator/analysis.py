@@ -24,6 +24,7 @@ replica; that is what is compared (it needs no price, and is exact when there is
 Verdict: Fail if any gate failed; else Inconclusive if any gate was inconclusive; else Pass.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -108,7 +109,7 @@ def analyse(stable: Window, candidate: Window, analysis: api.Analysis, slo: api.
     gain = _ratio(_per_replica(candidate), _per_replica(stable))
     missing = [f"{role}: {w.missing}" for role, w in (("stable", stable), ("candidate", candidate)) if w.missing]
     if not missing:
-        few = [f"{role} generated {w.generated_tokens or 0:.0f} tokens < {MIN_GENERATED_TOKENS}"
+        few = [f"{role} generated {math.floor(w.generated_tokens or 0)} tokens < {MIN_GENERATED_TOKENS}"
                for role, w in (("stable", stable), ("candidate", candidate))
                if (w.generated_tokens or 0) < MIN_GENERATED_TOKENS]
         missing = few

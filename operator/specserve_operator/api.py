@@ -308,10 +308,34 @@ class MetricsStatus(Model):
     tokens_per_dollar: float | None = None
 
 
+class Recommendation(Model):
+    at: str
+    replicas: int
+
+
+class CapacityObservation(Model):
+    """One measured window of one revision: the load and the p99s the capacity model is fitted to."""
+
+    revision: str
+    at: str
+    in_flight_per_replica: float
+    p99_inter_token_latency_ms: float
+    p99_time_to_first_token_ms: float | None = None
+
+
 class AutoscalingStatus(Model):
+    """The autoscaler's whole state: recommendations within the stabilisation windows and the
+    capacity model's observations, so a restarted operator decides as the old one would have."""
+
     desired_replicas: int | None = None
     last_scale_time: str | None = None
+    last_evaluation_time: str | None = None
     reason: str = ""
+    demand: float | None = Field(None, description="requests in flight, all revisions, at the last decision")
+    predicted_p99_inter_token_latency_ms: float | None = None
+    predicted_p99_time_to_first_token_ms: float | None = None
+    recommendations: list[Recommendation] = []
+    observations: list[CapacityObservation] = []
 
 
 Phase = Literal["Pending", "Serving", "Progressing", "Promoting", "RollingBack", "Degraded", "Invalid"]

@@ -153,9 +153,14 @@ class Cluster:
                 return False
             raise
 
-    def patch_status(self, api_version: str, kind: str, namespace: str | None, name: str, status: dict) -> None:
+    def patch_status(self, api_version: str, kind: str, namespace: str | None, name: str, status: dict,
+                     resource_version: str | None = None) -> None:
+        """Merge-patch the status; with `resource_version`, only if the object is still at that version (409 if not)."""
+        body = {"status": status}
+        if resource_version:
+            body["metadata"] = {"resourceVersion": resource_version}
         path = self._path(api_version, kind, namespace, name) + "/status"
-        self._call("PATCH", path, {"status": status}, content_type="application/merge-patch+json")
+        self._call("PATCH", path, body, content_type="application/merge-patch+json")
 
     def remove_annotations(self, api_version: str, kind: str, namespace: str | None, name: str, keys: "list[str]") -> None:
         """Merge-patch the annotations away (the operator consumes specserve.io/promote, abort and retry)."""

@@ -173,3 +173,7 @@ def add_commands(commands) -> None:
 
     rbac = commands.add_parser("rbac", help="print the operator's least-privilege ClusterRole")
     rbac.set_defaults(run=cmd_rbac)
+
+    from .canary import add_canary_command
+
+    add_canary_command(commands)

@@ -20,18 +20,19 @@ from .render import Settings
 SERVINGS = (api.GROUP, api.VERSION, "speculativeservings")
 PROFILES = (api.GROUP, api.VERSION, "servingprofiles")
 RESYNC_SECONDS = float(os.environ.get("SPECSERVE_RESYNC_SECONDS", "30"))
-# While a rollout runs, reconcile this often: an analysis is due every spec.rollout.analysis.intervalSeconds
-# (at least 10 s), and this tick bounds how late it runs and how soon an annotation is acted on.
-ROLLOUT_TICK_SECONDS = float(os.environ.get("SPECSERVE_ROLLOUT_TICK_SECONDS", "5"))
+# While a rollout runs or autoscaling is on, reconcile this often: an analysis is due every
+# spec.rollout.analysis.intervalSeconds (at least 10 s), an autoscaling evaluation every
+# SPECSERVE_AUTOSCALE_INTERVAL_SECONDS; this tick bounds how late they run and how soon an
+# annotation is acted on.
+DECISION_TICK_SECONDS = float(os.environ.get("SPECSERVE_DECISION_TICK_SECONDS", "5"))
 
-# kopf runs a resource's timers concurrently with its event handlers: one reconcile at a time per object.
-_LOCKS: dict[tuple, threading.Lock] = collections.defaultdict(threading.Lock)
 
 RECONCILES = Counter("specserve_operator_reconciles", "Reconciliations of SpeculativeServings", ["result"])
 ROLLOUTS = Counter("specserve_operator_rollouts", "Finished canary rollouts", ["outcome"])
 ANALYSES = Counter("specserve_operator_analyses", "Canary analysis intervals by verdict", ["verdict"])
 GATES = Counter("specserve_operator_analysis_gates", "Canary analysis gate results", ["gate", "verdict"])
 STEP = Gauge("specserve_operator_rollout_step", "Current canary step (-1: no canary)", ["namespace", "serving"])
+DESIRED = Gauge("specserve_operator_desired_replicas", "Replicas the autoscaler decided", ["namespace", "serving"])
 
 
 @kopf.on.startup()
@@ -47,11 +48,14 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_):
     memo.settings = Settings(
         monitoring_namespace=os.environ.get("SPECSERVE_MONITORING_NAMESPACE", "monitoring"),
         operator_namespace=os.environ.get("SPECSERVE_OPERATOR_NAMESPACE", "specserve-system"),
+        autoscale_interval_seconds=float(os.environ.get("SPECSERVE_AUTOSCALE_INTERVAL_SECONDS", "30")),
     )
     # Canary measurements: Prometheus when configured, else the runtime pods' /metrics directly.
     prometheus = os.environ.get("SPECSERVE_PROMETHEUS_URL", "").strip()
     memo.source = memo.get("source") or (PrometheusSource(prometheus) if prometheus else ScrapeSource())
     memo.clock = memo.get("clock") or (lambda: datetime.datetime.now(datetime.timezone.utc))
+    # kopf runs a resource's timers concurrently with its event handlers: one reconcile at a time per object.
+    memo.locks = collections.defaultdict(threading.Lock)
 
 
 def _lock_key(namespace, name, uid) -> tuple:
@@ -64,20 +68,23 @@ def _reconcile_blocking(namespace: str, name: str, uid: str | None, memo: kopf.M
     The body a handler was called with can be older than what another handler already acted on
     (a resync timer that started before a spec change): acting on it would undo the newer work,
     e.g. delete the revision the change just created. So every reconcile reads the object afresh,
-    and patches status before releasing the lock, so the next one sees the state it left.
+    and patches status before releasing the lock, so the next one sees the state it left. The
+    status patch carries the resourceVersion it was computed from: a writer whose view went stale
+    meanwhile (another operator process) gets a conflict instead of overwriting newer status.
     """
     cluster: Cluster = memo.cluster
-    with _LOCKS[_lock_key(namespace, name, uid)]:
+    with memo.locks[_lock_key(namespace, name, uid)]:
         body = cluster.get(api.API_VERSION, "SpeculativeServing", namespace, name)
         if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
             return None  # deleted meanwhile: the delete handler cleans up, nothing may be re-created
         outcome = reconcile(cluster, body, memo.settings, memo.source, memo.clock())
+        version = (body.get("metadata") or {}).get("resourceVersion")
         try:
-            cluster.patch_status(api.API_VERSION, "SpeculativeServing", namespace, name, outcome.status)
+            cluster.patch_status(api.API_VERSION, "SpeculativeServing", namespace, name, outcome.status, version)
             if outcome.consumed_annotations:
                 cluster.remove_annotations(api.API_VERSION, "SpeculativeServing", namespace, name, outcome.consumed_annotations)
         except ApiException as exc:
-            if exc.status != 404:  # deleted meanwhile: nothing to report on
+            if exc.status not in (404, 409):  # deleted, or changed meanwhile: the next reconcile decides afresh
                 raise
             return None
     return body, outcome
@@ -108,6 +115,8 @@ async def _reconcile_and_report(namespace: str, name: str, uid: str | None, memo
             GATES.labels(gate.name, gate.verdict).inc()
     canary = outcome.status.get("canary")
     STEP.labels(namespace, name).set(canary["step"] if canary else -1)
+    if outcome.status.get("autoscaling"):
+        DESIRED.labels(namespace, name).set(outcome.status["autoscaling"].get("desiredReplicas") or 0)
 
 
 @kopf.on.resume(*SERVINGS)
@@ -123,29 +132,30 @@ async def serving_resync(namespace, name, uid, memo: kopf.Memo, logger, **_):
     await _reconcile_and_report(namespace, name, uid, memo, logger)
 
 
-def _has_rollout(spec, **_) -> bool:
-    return bool(spec.get("rollout"))
+def _decides(spec, **_) -> bool:
+    return bool(spec.get("rollout")) or bool((spec.get("autoscaling") or {}).get("enabled"))
 
 
-@kopf.timer(*SERVINGS, interval=ROLLOUT_TICK_SECONDS, when=_has_rollout)
-async def rollout_tick(namespace, name, uid, memo: kopf.Memo, logger, **_):
-    """Analyses when one is due, advances steps, acts on the promote / abort / retry annotations."""
+@kopf.timer(*SERVINGS, interval=DECISION_TICK_SECONDS, when=_decides)
+async def decision_tick(namespace, name, uid, memo: kopf.Memo, logger, **_):
+    """Analyses and autoscaling evaluations when due, step advances, the promote / abort / retry annotations."""
     await _reconcile_and_report(namespace, name, uid, memo, logger)
 
 
 @kopf.on.delete(*SERVINGS)
 async def serving_deleted(namespace, name, uid, memo: kopf.Memo, logger, **_):
     deleted = await asyncio.to_thread(_cleanup_blocking, namespace, name, uid, memo)
-    with contextlib.suppress(KeyError):  # never had a canary
-        STEP.remove(namespace, name)
+    for gauge in (STEP, DESIRED):
+        with contextlib.suppress(KeyError):  # never had a canary, or no autoscaling
+            gauge.remove(namespace, name)
     logger.info("deleted %s", deleted)
 
 
 def _cleanup_blocking(namespace, name, uid, memo: kopf.Memo) -> list[str]:
     """Under the object's lock, so that a resync in flight cannot re-apply children behind the cleanup."""
-    with _LOCKS[_lock_key(namespace, name, uid)]:
+    with memo.locks[_lock_key(namespace, name, uid)]:
         deleted = cleanup(memo.cluster, name, namespace)
-    _LOCKS.pop(_lock_key(namespace, name, uid), None)
+    memo.locks.pop(_lock_key(namespace, name, uid), None)
     return deleted
 
 

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field, replace
 
 from specserve_runtime.config import DEFAULT_PORT
 
-from . import api
+from . import api, autoscale
 from .analysis import Report, analyse
 from .apply import CHILD_KINDS, Cluster
 from .measure import MeasurementError, Pricing, ScrapeSource, Target, Window
 from .render import Profile, Serving, Settings, Traffic, candidate_hash, render_all, replica_budget, revision_hash, revisions
-from .rollout import Decision, Event, analysis_due, decide, timestamp
+from .rollout import Decision, Event, analysis_due, decide, parse_time, timestamp
 from .validate import check_against_profile, parse_profile, parse_serving
 
 REVISION_SCOPED = {("v1", "ConfigMap"), ("apps/v1", "Deployment")}
@@ -80,11 +80,10 @@ def effective_slo(spec: api.SpeculativeServingSpec, profile: Profile) -> api.Slo
     return spec.autoscaling.slo or profile.spec.slo
 
 
-def measure_interval(cluster: Cluster, source, serving: Serving, profile: Profile, revisions_: tuple[str, str],
-                     deployments: dict[str, dict]) -> tuple[list[Window], str | None]:
-    """The stable's and the candidate's windows over the last analysis interval, and a measurement
-    problem (Prometheus unreachable) when there was one: then both windows say 'no data'."""
-    seconds = serving.spec.rollout.analysis.interval_seconds
+def measure_interval(cluster: Cluster, source, serving: Serving, profile: Profile, revisions_: list[str],
+                     deployments: dict[str, dict], seconds: float) -> tuple[list[Window], str | None]:
+    """Each revision's window over the last `seconds`, and a measurement problem (Prometheus
+    unreachable) when there was one: then every window says 'no data'."""
     accelerator = profile.spec.accelerator
     pricing = Pricing(accelerator.count, accelerator.price_per_hour_usd)
     windows = []
@@ -105,6 +104,70 @@ def measure_interval(cluster: Cluster, source, serving: Serving, profile: Profil
     return windows, None
 
 
+@dataclass
+class Scaling:
+    """What the autoscaling step decided: the total replicas (None: the spec's own count), the
+    status.autoscaling and status.metrics to write, Events and conditions."""
+
+    replicas: int | None = None
+    status: api.AutoscalingStatus | None = None
+    metrics: dict | None = None
+    events: list[Event] = field(default_factory=list)
+    conditions: dict[str, tuple[bool, str, str]] = field(default_factory=dict)
+
+
+def fleet_metrics(windows: list[Window]) -> dict | None:
+    """status.metrics: the serving as a whole over the last autoscaling window."""
+    measured = [w for w in windows if w.missing is None]
+    if not measured:
+        return None
+    tokens = sum(w.tokens_per_second or 0 for w in measured)
+    hourly = sum(w.hourly_cost_usd or 0 for w in measured)
+    accepted = [w for w in measured if w.acceptance_length is not None]
+    metrics = {
+        "tokensPerSecond": tokens,
+        "p99InterTokenLatencyMs": max((w.p99_inter_token_latency_ms for w in measured if w.p99_inter_token_latency_ms is not None), default=None),
+        "p99TimeToFirstTokenMs": max((w.p99_time_to_first_token_ms for w in measured if w.p99_time_to_first_token_ms is not None), default=None),
+        # acceptance length of the fleet: weighted by each revision's tokens
+        "acceptanceLength": (sum(w.acceptance_length * (w.tokens_per_second or 0) for w in accepted) / tokens) if accepted and tokens else None,
+        "hourlyCostUSD": hourly,
+        "tokensPerDollar": tokens / (hourly / 3600) if hourly > 0 else None,
+    }
+    return {key: value for key, value in metrics.items() if value is not None}
+
+
+def autoscale_serving(cluster: Cluster, source, serving: Serving, profile: Profile, settings: Settings, old_status: dict,
+                      decision: Decision, deployments: dict[str, dict], now: datetime.datetime) -> Scaling:
+    """When autoscaling is on and an evaluation is due: measure every running revision, decide, record."""
+    spec = serving.spec
+    previous = api.AutoscalingStatus.model_validate(old_status.get("autoscaling") or {})
+    if not spec.autoscaling.enabled:
+        ceiling = min(spec.replicas.max, profile.spec.limits.max_replicas)
+        limited = replica_budget(spec, profile.spec, ceiling) < ceiling
+        return Scaling(conditions={"BudgetLimited": (limited, "MaxHourlyCost" if limited else "WithinBudget", "")})
+    current = old_status.get("replicas") or replica_budget(spec, profile.spec)
+    held = Scaling(previous.desired_replicas, previous, old_status.get("metrics"))
+    last = previous.last_evaluation_time
+    if last is not None and (now - parse_time(last)).total_seconds() < settings.autoscale_interval_seconds:
+        return held
+    running = [r.hash for r in revisions(spec, current, Traffic(decision.stage, decision.weight)) if r.replicas > 0]
+    windows, problem = measure_interval(cluster, source, serving, profile, running, deployments,
+                                        settings.autoscale_interval_seconds)
+    status, scale = autoscale.tick(previous, windows, {}, spec, profile.spec, effective_slo(spec, profile), current,
+                                   decision.stage == "Canary", now)
+    status = status.model_copy(update={"last_evaluation_time": timestamp(now)})
+    result = Scaling(scale.replicas, status, fleet_metrics(windows) or old_status.get("metrics"))
+    if scale.replicas != current:
+        result.events.append(Event("Normal", "Scaled", f"{current} -> {scale.replicas} replicas: {scale.reason}"))
+    result.conditions["BudgetLimited"] = (scale.budget_limited, "MaxHourlyCost" if scale.budget_limited else "WithinBudget",
+                                          scale.reason if scale.budget_limited else "")
+    no_data = scale.recommended is None
+    result.conditions["ScalingActive"] = (not no_data, "NoData" if no_data else "Measured", scale.reason if no_data else "")
+    if problem:
+        result.events.append(Event("Warning", "MeasurementFailed", problem))
+    return result
+
+
 def pod_urls(cluster: Cluster, serving: Serving, revision: str) -> tuple[str, ...]:
     """The ready pods of one revision, for scraping their /metrics directly."""
     selector = f"specserve.io/serving={serving.name},specserve.io/revision={revision}"
@@ -119,9 +182,8 @@ def pod_urls(cluster: Cluster, serving: Serving, revision: str) -> tuple[str, ..
 
 
 def serving_status(serving: Serving, profile: Profile, old_status: dict, generation: int | None, existing: dict,
-                   decision: Decision, traffic: Traffic, at: str) -> dict:
+                   decision: Decision, revs: list, scaling: "Scaling", at: str) -> dict:
     spec = serving.spec
-    revs = revisions(spec, replica_budget(spec, profile.spec), traffic)
     deployments = {d["metadata"]["name"]: d for d in existing.get(("apps/v1", "Deployment"), [])}
 
     def revision_status(revision) -> dict:
@@ -143,10 +205,7 @@ def serving_status(serving: Serving, profile: Profile, old_status: dict, generat
     )
     progressing = decision.stage == "Canary" or not ready
     conditions = set_condition(conditions, "Progressing", progressing, "Rollout" if decision.stage == "Canary" else "Steady", "", at)
-    ceiling = min(spec.replicas.max, profile.spec.limits.max_replicas)
-    budget_limited = replica_budget(spec, profile.spec, ceiling) < ceiling
-    conditions = set_condition(conditions, "BudgetLimited", budget_limited, "MaxHourlyCost" if budget_limited else "WithinBudget", "", at)
-    for type_, (value, reason, message) in decision.conditions.items():
+    for type_, (value, reason, message) in {**scaling.conditions, **decision.conditions}.items():
         conditions = set_condition(conditions, type_, value, reason, message, at)
 
     if decision.stage == "Canary":
@@ -166,6 +225,8 @@ def serving_status(serving: Serving, profile: Profile, old_status: dict, generat
         "lastRollout": decision.last_rollout.model_dump(by_alias=True, exclude_none=True) if decision.last_rollout else None,
         "replicas": sum(r.replicas for r in revs),
         "selector": f"specserve.io/serving={serving.name}",
+        "autoscaling": scaling.status.model_dump(by_alias=True, exclude_none=True) if scaling.status else None,
+        "metrics": scaling.metrics or old_status.get("metrics"),
     }
     if decision.canary is not None and len(revs) > 1:
         state = decision.canary.model_dump(by_alias=True, exclude_none=True)
@@ -199,9 +260,12 @@ def reconcile(cluster: Cluster, body: dict, settings: Settings, source, now: dat
     canary = api.CanaryStatus.model_validate(old_status["canary"]) if old_status.get("canary") else None
     last = api.RolloutRecord.model_validate(old_status["lastRollout"]) if old_status.get("lastRollout") else None
 
+    # The order of the decisions: the rollout decides the stage and weight; the autoscaler sizes the
+    # total for the revisions that stage runs; rendering splits the total by the weight.
     outcome, problem = Outcome({}), None
     if spec.rollout is not None and analysis_due(spec.rollout, canary, candidate, now, last):
-        windows, problem = measure_interval(cluster, source, serving, profile, (stable_hash, candidate), deployments)
+        windows, problem = measure_interval(cluster, source, serving, profile, [stable_hash, candidate], deployments,
+                                            spec.rollout.analysis.interval_seconds)
         outcome.report = analyse(windows[0], windows[1], spec.rollout.analysis, effective_slo(spec, profile))
     decision = decide(spec.rollout, stable_hash, candidate, canary, last, meta.get("annotations") or {}, outcome.report, now)
     if outcome.report is not None:  # an unreachable Prometheus is a condition and an Event, never a crash loop
@@ -210,14 +274,16 @@ def reconcile(cluster: Cluster, body: dict, settings: Settings, source, now: dat
         if problem:
             outcome.events.append(Event("Warning", "MeasurementFailed", problem))
 
-    revs = revisions(spec, replica_budget(spec, profile.spec), Traffic(decision.stage, decision.weight))
+    scaling = autoscale_serving(cluster, source, serving, profile, settings, old_status, decision, deployments, now)
+    outcome.events += scaling.events
+    revs = revisions(spec, replica_budget(spec, profile.spec, scaling.replicas), Traffic(decision.stage, decision.weight))
     canary_revision = revs[1].hash if len(revs) > 1 else None
     backend = stable_backend(serving, revs[0].hash, revs[0].replicas, deployments, canary_revision)
     traffic = Traffic(decision.stage, decision.weight, backend)
-    desired = render_all(serving, profile, settings, traffic)
+    desired = render_all(serving, profile, settings, traffic, scaling.replicas)
     for obj in desired:
         outcome.applied[f"{obj['kind']}/{obj['metadata']['name']}"] = cluster.apply(obj)
-    outcome.status = serving_status(serving, profile, old_status, generation, existing, decision, traffic, at)
+    outcome.status = serving_status(serving, profile, old_status, generation, existing, decision, revs, scaling, at)
     outcome.events += decision.events
     outcome.consumed_annotations = decision.consumed_annotations
     for api_version, kind, name in plan_deletions(desired, existing, is_ready(outcome.status["stable"])):

@@ -65,6 +65,7 @@ class Settings:
 
     monitoring_namespace: str = "monitoring"
     operator_namespace: str = "specserve-system"
+    autoscale_interval_seconds: float = 30.0  # measure and decide replicas this often (autoscaling.enabled)
 
 
 def revision_hash(model: api.ModelRef, speculator: api.Speculator, runtime: api.RuntimeSpec) -> str:

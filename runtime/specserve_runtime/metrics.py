@@ -55,6 +55,13 @@ class Metrics:
         )
         for gauge in (self.running, self.waiting):
             gauge.labels(**self.labels).set(0)
+        # Create every series at zero now: Prometheus cannot see the first increment of a series
+        # that appears with value 1, so a rate over the first window would miss it.
+        for metric in (self.drafts, self.draft_tokens, self.accepted, self.generation_tokens, self.prompt_tokens,
+                       self.ttft, self.itl, self.e2e, self.queue_time):
+            self.of(metric)
+        for reason in ("stop", "length", "abort", "error"):
+            self.of(self.success, finished_reason=reason)
 
     def of(self, metric, **extra):
         return metric.labels(**self.labels, **extra)

@@ -8,7 +8,7 @@ import logging
 
 # Resync often in tests: the timers are what notice Deployments becoming ready and analyses falling due.
 os.environ.setdefault("SPECSERVE_RESYNC_SECONDS", "0.3")
-os.environ.setdefault("SPECSERVE_ROLLOUT_TICK_SECONDS", "0.2")
+os.environ.setdefault("SPECSERVE_DECISION_TICK_SECONDS", "0.2")
 
 import kmock  # noqa: E402
 import kopf  # noqa: E402

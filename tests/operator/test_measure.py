@@ -268,7 +268,8 @@ def test_prometheus_source_says_which_series_is_absent_and_when_nothing_happened
 # ----- window_between: two snapshots built from /metrics text ---------------------------------------
 
 
-def runtime_text(generated=0, drafts=0, accepted_by_position=(), reasons=None, itl=(), ttft=(), e2e=()) -> str:
+def runtime_text(generated=0, drafts=0, accepted_by_position=(), reasons=None, itl=(), ttft=(), e2e=(), running=0,
+                 waiting=0) -> str:
     """/metrics text exactly as the runtime writes it, after these steps and requests."""
     metrics = Metrics(MODEL, "eagle3", None)
     for position, count in enumerate(accepted_by_position):
@@ -281,6 +282,8 @@ def runtime_text(generated=0, drafts=0, accepted_by_position=(), reasons=None, i
         metrics.of(metrics.accepted).inc(sum(accepted_by_position))
     for reason, count in (reasons or {}).items():
         metrics.of(metrics.success, finished_reason=reason).inc(count)
+    metrics.of(metrics.running).set(running)
+    metrics.of(metrics.waiting).set(waiting)
     for histogram, observations in ((metrics.itl, itl), (metrics.ttft, ttft), (metrics.e2e, e2e)):
         for seconds in observations:
             metrics.of(histogram).observe(seconds)
@@ -304,13 +307,13 @@ def test_window_between_two_scrapes_of_two_pods():
     before = Snapshot.from_text({
         pods[0]: runtime_text(generated=100, drafts=20, accepted_by_position=(10, 4), reasons={"stop": 2},
                               itl=[0.02] * 10, e2e=[1.0, 1.0]),
-        pods[1]: runtime_text(generated=50),
+        pods[1]: runtime_text(generated=50, running=1),
     })
     after = Snapshot.from_text({
         # pod 0: +200 tokens in 80 drafts, 60 then 20 accepted at positions 0 and 1, 4 requests (1 aborted)
         pods[0]: runtime_text(generated=300, drafts=100, accepted_by_position=(70, 24),
                               reasons={"stop": 5, "abort": 1}, itl=[0.02] * 10 + [0.04] * 99 + [0.3],
-                              ttft=[0.05] * 4, e2e=[1.0, 1.0, 2.0, 2.0, 3.0, 3.0]),
+                              ttft=[0.05] * 4, e2e=[1.0, 1.0, 2.0, 2.0, 3.0, 3.0], running=1, waiting=3),
         # pod 1: +100 tokens with no drafts (it shows that per-pod increases add up)
         pods[1]: runtime_text(generated=150, reasons={"length": 1}, e2e=[2.0]),
     })
@@ -402,14 +405,14 @@ def test_scrape_source_needs_two_scrapes_and_uses_the_elapsed_time():
     first = source.measure(target(), 30)
     assert first.missing == "first scrape; a window needs two"
 
-    pods.texts = {a: runtime_text(generated=130, reasons={"stop": 1}, e2e=[2.0]),
-                  b: runtime_text(generated=50, reasons={"stop": 1}, e2e=[4.0])}
+    pods.texts = {a: runtime_text(generated=130, reasons={"stop": 1}, e2e=[2.0], running=1, waiting=2),
+                  b: runtime_text(generated=50, reasons={"stop": 1}, e2e=[4.0], running=1)}
     pods.now += 12.0  # asked for 30 s, but 12 s passed: rates are over 12 s
     window = source.measure(target(), 30)
     assert window.missing is None
     assert window.seconds == 12.0
     assert window.generated_tokens == 160 and window.tokens_per_second == pytest.approx(160 / 12)
-    assert window.in_flight_per_replica == pytest.approx(6.0 / 12 / 2)
+    assert window.in_flight_per_replica == pytest.approx(6.0 / 12 / 2)  # Little's law: 6 s of requests over 12 s
 
     other = Target("team-b", "qwen", "abc123", 2, (a, b))  # the same revision hash elsewhere has its own baseline
     assert source.measure(other, 30).missing == "first scrape; a window needs two"
@@ -474,7 +477,8 @@ def test_promql_selects_one_revision():
         '{namespace="team-a",serving="qwen",revision="abc123"}[60s])))')
     assert queries["failed_requests"] == ('sum(increase(vllm:request_success_total{namespace="team-a",serving="qwen",'
                                           'revision="abc123",finished_reason=~"abort|error"}[60s]))')
-    assert queries["in_flight_per_replica"].endswith("[60s])) / 3")
+    assert queries["in_flight_per_replica"].startswith("(sum(avg_over_time(vllm:num_requests_running{")
+    assert queries["in_flight_per_replica"].endswith("[60s]))) / 3")
 
 
 def test_prometheus_source_reads_each_number(canned):

@@ -213,7 +213,8 @@ async def test_an_operator_restart_mid_step_resumes_without_replaying_or_skippin
         after = status_of(emulator)["canary"]
         assert (after["step"], after["stepStartedAt"], after["history"]) == (before["step"], before["stepStartedAt"], before["history"])
         clock.advance(20)  # the interval since the last analysis is complete: exactly one more analysis
-        assert await eventually(lambda: len(canary_field(emulator, "history")) == len(before["history"]) + 1)
+        assert await eventually(lambda: len(canary_field(emulator, "history")) == len(before["history"]) + 1), \
+            (before["history"], status_of(emulator)["canary"]["history"], clock.now)
         assert canary_field(emulator, "step") == 1
 
 
@@ -234,6 +235,36 @@ async def test_a_prometheus_outage_holds_the_step_and_says_so(operator, serving,
     assert await eventually(lambda: canary_field(operator, "step") == 1)  # the outage lost no step
     conditions = {c["type"]: c for c in status_of(operator)["conditions"]}
     assert conditions["MetricsAvailable"]["status"] == "True" and conditions["AnalysisInconclusive"]["status"] == "False"
+
+
+async def test_the_autoscaler_sizes_the_serving_from_measurements(operator, serving, profile, source, clock):
+    """Autoscaling on: every SPECSERVE_AUTOSCALE_INTERVAL_SECONDS (30 s) the operator measures, decides
+    and applies; status and Events carry the numbers; no data holds the count."""
+    serving = copy.deepcopy(serving)
+    serving["spec"]["replicas"] = {"min": 1, "max": 4}
+    serving["spec"]["autoscaling"] = {"enabled": True, "slo": {"p99InterTokenLatencyMs": 40},
+                                      "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 0}
+    await create(operator, profile)
+    await create(operator, with_uid(serving))
+    name = (await eventually(lambda: live(operator, DEPLOYMENTS)))[0]
+    await set_ready(operator, name, 2)  # replicas.min is 1; 2 ready pods measure 8 requests in flight in all
+    # 4 requests in flight per replica at 40 ms, one window (so latency is taken as proportional to load,
+    # with a 38% margin): 3 replicas would predict 44 ms, 4 predict 33 ms
+    source.by_revision[name.removeprefix("qwen3-8b-")] = {**STABLE, "in_flight_per_replica": 4.0, "p99_inter_token_latency_ms": 40.0}
+    clock.advance(30)
+    assert await eventually(lambda: (status_of(operator).get("autoscaling") or {}).get("desiredReplicas") == 4)
+    assert await eventually(lambda: deployment(operator, name.removeprefix("qwen3-8b-"))["spec"]["replicas"] == 4)
+    scaling = status_of(operator)["autoscaling"]
+    assert scaling["demand"] == 8.0 and "4 replicas predict p99 ITL 33.2ms" in scaling["reason"]
+    assert status_of(operator)["metrics"]["tokensPerSecond"] == 200.0
+    assert await eventually(lambda: any("1 -> 4 replicas" in m for m in events(operator, "Scaled")))
+
+    source.outage = True
+    clock.advance(30)
+    assert await eventually(lambda: "no data" in (status_of(operator).get("autoscaling") or {}).get("reason", ""))
+    conditions = {c["type"]: c for c in status_of(operator)["conditions"]}
+    assert conditions["ScalingActive"]["status"] == "False"
+    assert deployment(operator, name.removeprefix("qwen3-8b-"))["spec"]["replicas"] == 4  # held, not scaled to zero or max
 
 
 async def test_gateway_api_weights_follow_the_steps(operator, serving, profile, source, clock):

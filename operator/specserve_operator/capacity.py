@@ -1,0 +1,86 @@
+"""Capacity model: a revision's predicted p99 latencies as a function of its load. Pure.
+
+Form. With c = requests in flight per ready replica,
+    p99 inter-token latency (c) = itl0 + itl_slope * c      p99 time to first token (c) = ttft0 + ttft_slope * c
+fitted by least squares over the revision's recent measurement windows (the autoscaler keeps the
+last OBSERVATIONS in status, so a restart keeps the fit) together with a prior: points from a
+performance table (`specserve bench --emit-performance`, or a scenario's `performance` curve),
+each weighted as one window. When the points do not spread over load (all at one concurrency),
+the slope cannot be estimated and the model assumes the replica's token throughput is fixed
+(latency proportional to load, itl0 = 0): the conservative case of a one-sequence-at-a-time
+engine. Confidence: predictions are raised by 2 residual standard deviations and a relative
+margin of 0.1 + 0.4 / sqrt(1 + n) for n measured windows (0.5 with only the prior, 0.2 at 15
+windows), so decisions on little evidence keep more headroom.
+"""
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+OBSERVATIONS = 30  # measured windows kept per revision
+MIN_SPREAD = 0.25  # in-flight requests per replica: less spread than this cannot estimate a slope
+
+
+@dataclass(frozen=True)
+class Point:
+    in_flight_per_replica: float
+    p99_inter_token_latency_ms: float
+    p99_time_to_first_token_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class Line:
+    intercept: float
+    slope: float
+    residual: float  # standard deviation of the residuals
+
+    def at(self, x: float) -> float:
+        return self.intercept + self.slope * x
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> Line:
+    """Least squares; without spread in x, a line through the origin and the mean (fixed throughput)."""
+    n = len(xs)
+    mean_x, mean_y = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    if max(xs) - min(xs) < MIN_SPREAD or sxx == 0:
+        slope = mean_y / max(mean_x, 1e-9)
+        intercept = 0.0
+    else:
+        slope = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sxx)  # latency never falls with load
+        intercept = mean_y - slope * mean_x
+    residuals = [y - (intercept + slope * x) for x, y in zip(xs, ys)]
+    residual = math.sqrt(sum(r * r for r in residuals) / max(n - 2, 1)) if n > 2 else 0.0
+    return Line(intercept, slope, residual)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    itl: Line
+    ttft: Line | None
+    measured: int  # windows behind the fit (the prior's points not counted)
+
+    @property
+    def margin(self) -> float:
+        return 0.1 + 0.4 / math.sqrt(1 + self.measured)
+
+    def p99_inter_token_latency_ms(self, in_flight_per_replica: float) -> float:
+        return (self.itl.at(in_flight_per_replica) + 2 * self.itl.residual) * (1 + self.margin)
+
+    def p99_time_to_first_token_ms(self, in_flight_per_replica: float) -> float | None:
+        if self.ttft is None:
+            return None
+        return (self.ttft.at(in_flight_per_replica) + 2 * self.ttft.residual) * (1 + self.margin)
+
+
+def fit(measured: Sequence[Point], prior: Sequence[Point] = ()) -> Capacity | None:
+    """The model from measured points and the prior's; None when there is neither."""
+    points = list(prior) + list(measured)
+    if not points:
+        return None
+    itl = fit_line([p.in_flight_per_replica for p in points], [p.p99_inter_token_latency_ms for p in points])
+    with_ttft = [p for p in points if p.p99_time_to_first_token_ms is not None]
+    ttft = None
+    if with_ttft:
+        ttft = fit_line([p.in_flight_per_replica for p in with_ttft], [p.p99_time_to_first_token_ms for p in with_ttft])
+    return Capacity(itl, ttft, len(measured))

@@ -1,0 +1,134 @@
+"""The capacity model and the autoscaler's decision, pure: SLO at least cost, budget wall, no data,
+stabilisation, step limits, no flapping on noisy measurements, and state carried in status alone."""
+
+import datetime
+import random
+
+import pytest
+
+from specserve_operator import api
+from specserve_operator.autoscale import HEADROOM, Limits, decide, limits, max_step_down, max_step_up, prior_points, tick
+from specserve_operator.capacity import OBSERVATIONS, Point, fit
+from specserve_operator.measure import Window
+
+T0 = datetime.datetime(2026, 11, 23, 10, 0, 0, tzinfo=datetime.timezone.utc)
+SLO = api.Slo(p99InterTokenLatencyMs=40)
+NO_WAIT = api.Autoscaling(enabled=True, scaleUpStabilizationSeconds=0, scaleDownStabilizationSeconds=0)
+# 10 ms per token and request in flight per replica (no fixed part): 40 ms holds up to ~2.4 in flight with the margins
+LINEAR = [Point(c, 10.0 * c, 100.0 * c) for c in (1, 2, 4, 8)]
+
+
+def capacity(points=LINEAR, measured=()):
+    return fit(list(measured), points)
+
+
+def test_capacity_fits_a_line_and_widens_with_little_evidence():
+    model = capacity()
+    assert model.itl.slope == pytest.approx(10.0) and model.itl.intercept == pytest.approx(0.0, abs=1e-9)
+    assert model.margin == pytest.approx(0.5)  # prior only
+    many = fit([Point(2, 20.0)] * 15, LINEAR)
+    assert many.margin == pytest.approx(0.2)
+    assert many.p99_inter_token_latency_ms(2) < model.p99_inter_token_latency_ms(2)
+
+
+def test_without_spread_the_model_assumes_fixed_throughput():
+    model = fit([Point(3, 30.0), Point(3, 30.0)])
+    assert model.itl.intercept == 0 and model.itl.slope == pytest.approx(10.0)  # latency proportional to load
+
+
+def test_latency_never_falls_with_load_in_the_model():
+    model = fit([Point(1, 50.0), Point(4, 20.0)])  # noise that would fit a falling line
+    assert model.itl.slope == 0.0
+
+
+def test_the_smallest_count_that_meets_the_slo_is_chosen():
+    bounds = Limits(low=1, high=20, budget_cap=None, replica_hourly_usd=2.0)
+    decision = decide(3, 12.0, [capacity()], SLO, bounds, NO_WAIT, [], T0)
+    model = capacity()
+    n = decision.replicas
+    assert model.p99_inter_token_latency_ms(12.0 * HEADROOM / n) <= 40
+    assert model.p99_inter_token_latency_ms(12.0 * HEADROOM / (n - 1)) > 40  # one fewer would break the SLO
+    assert decision.recommended == n and "within the SLO" in decision.reason
+
+
+def test_the_budget_is_a_wall_and_says_so():
+    spec = api.SpeculativeServingSpec.model_validate({
+        "profile": "p", "model": {"name": "m", "uri": "hf://m", "servedName": "m"}, "replicas": {"min": 1, "max": 20}})
+    profile = api.ServingProfileSpec.model_validate({
+        "tenant": "t", "accelerator": {"pricePerHourUSD": 3.0}, "limits": {"maxReplicas": 20, "maxHourlyCostUSD": 15}})
+    bounds = limits(spec, profile, canary=False)
+    assert (bounds.low, bounds.high, bounds.budget_cap) == (1, 5, 5)
+    decision = decide(5, 40.0, [capacity()], SLO, bounds, NO_WAIT, [], T0)
+    assert decision.replicas == 5 and decision.budget_limited
+    assert "maxHourlyCostUSD pays for 5 replicas ($15.00/h)" in decision.reason
+    assert limits(spec, profile, canary=True).low == 2  # one replica of each revision during a canary
+
+
+def test_no_data_holds_the_current_count():
+    bounds = Limits(1, 20, None, 1.0)
+    decision = decide(7, None, [capacity()], SLO, bounds, NO_WAIT, [], T0, missing="stable: prometheus outage")
+    assert decision.replicas == 7 and decision.recommended is None
+    assert "no data (stable: prometheus outage)" in decision.reason
+
+
+def test_scale_up_waits_for_the_stabilisation_window_and_steps_are_bounded():
+    bounds = Limits(1, 100, None, 1.0)
+    windows = api.Autoscaling(enabled=True, scaleUpStabilizationSeconds=60, scaleDownStabilizationSeconds=300)
+    history = []
+    low = decide(2, 2.0, [capacity()], SLO, bounds, windows, history, T0)
+    history = low.recommendations
+    spike = decide(2, 40.0, [capacity()], SLO, bounds, windows, history, T0 + datetime.timedelta(seconds=15))
+    assert spike.recommended > 2 and spike.replicas == 2  # the low recommendation is still in the 60 s window
+    later = decide(2, 40.0, [capacity()], SLO, bounds, windows, spike.recommendations, T0 + datetime.timedelta(seconds=90))
+    assert later.replicas == min(later.recommended, max_step_up(2)) == 6  # at most double, or +4
+    assert max_step_down(10) == 5 and max_step_down(1) == 0
+
+
+def test_scale_down_waits_for_its_window():
+    bounds = Limits(1, 100, None, 1.0)
+    windows = api.Autoscaling(enabled=True, scaleUpStabilizationSeconds=0, scaleDownStabilizationSeconds=300)
+    busy = decide(10, 30.0, [capacity()], SLO, bounds, windows, [], T0)
+    quiet = decide(busy.replicas, 1.0, [capacity()], SLO, bounds, windows, busy.recommendations,
+                   T0 + datetime.timedelta(seconds=120))
+    assert quiet.recommended < busy.replicas and quiet.replicas == busy.replicas
+    after = decide(busy.replicas, 1.0, [capacity()], SLO, bounds, windows, quiet.recommendations,
+                   T0 + datetime.timedelta(seconds=420))
+    assert after.replicas < busy.replicas
+
+
+def test_noisy_measurements_at_steady_demand_do_not_flap():
+    """30 minutes of ticks at a steady demand with 10% noise: the count settles and stays."""
+    rng = random.Random(7)
+    bounds = Limits(1, 50, None, 1.0)
+    windows = api.Autoscaling(enabled=True)  # defaults: 60 s up, 300 s down
+    current, history, counts = 4, [], []
+    for second in range(0, 1800, 15):
+        demand = 20.0 * rng.uniform(0.9, 1.1)
+        decision = decide(current, demand, [capacity()], SLO, bounds, windows, history, T0 + datetime.timedelta(seconds=second))
+        current, history = decision.replicas, decision.recommendations
+        counts.append(current)
+    moves = [b - a for a, b in zip(counts, counts[1:]) if a != b]
+    assert len(moves) <= 3, counts
+    assert all(move > 0 for move in moves[1:]) or all(move < 0 for move in moves[1:]), counts  # never back and forth
+
+
+def test_tick_carries_everything_in_status():
+    spec = api.SpeculativeServingSpec.model_validate({
+        "profile": "p", "model": {"name": "m", "uri": "hf://m", "servedName": "m"},
+        "replicas": {"min": 1, "max": 10}, "autoscaling": {"enabled": True}})
+    profile = api.ServingProfileSpec.model_validate({
+        "tenant": "t", "accelerator": {"pricePerHourUSD": 2.0}, "slo": {"p99InterTokenLatencyMs": 40}})
+    prior = {"abc": prior_points([{"concurrency": 1, "tokensPerSecondPerRequest": 100, "ttftMs": 50},
+                                  {"concurrency": 8, "tokensPerSecondPerRequest": 50, "ttftMs": 200}])}
+    status = api.AutoscalingStatus()
+    for index in range(OBSERVATIONS + 5):
+        window = Window("abc", 30, 2, in_flight_per_replica=3.0, p99_inter_token_latency_ms=15.0, p99_time_to_first_token_ms=80.0)
+        status, decision = tick(status, [window], prior, spec, profile, profile.slo, 2, False,
+                                T0 + datetime.timedelta(seconds=30 * index))
+        status = api.AutoscalingStatus.model_validate(status.model_dump(by_alias=True, mode="json"))  # as status stores it
+    assert len(status.observations) == OBSERVATIONS  # bounded
+    assert status.desired_replicas == decision.replicas and status.demand == 6.0
+    missing = Window("abc", 30, 2, missing="prometheus outage")
+    held, no_data = tick(status, [missing], prior, spec, profile, profile.slo, 3, False, T0 + datetime.timedelta(hours=1))
+    assert no_data.replicas == 3 and "prometheus outage" in no_data.reason
+    assert len(held.observations) == OBSERVATIONS  # nothing recorded from a window without data
