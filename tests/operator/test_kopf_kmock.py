@@ -96,23 +96,28 @@ async def test_spec_change_rolls_a_new_revision_and_removes_the_old_once_ready(o
     assert await eventually(lambda: status_of(operator).get("phase") == "Serving")
 
 
-async def test_a_resync_in_flight_during_a_spec_change_never_deletes_the_new_revision(operator, serving, profile, monkeypatch):
-    """A timer that fetched the serving before a spec change must not act on that stale body (it would
-    delete the revision the change just created, as a fresh-machine run once showed)."""
+def slow_api(monkeypatch, seconds):
+    """A slow API server: with 0.3 s resyncs, some reconcile is nearly always in flight."""
     from specserve_operator.apply import Cluster
 
     apply = Cluster.apply
 
     def slow_apply(self, obj):
-        time.sleep(0.05)  # a slow API server: with 0.3 s resyncs, some reconcile is nearly always in flight
+        time.sleep(seconds)
         return apply(self, obj)
 
+    monkeypatch.setattr(Cluster, "apply", slow_apply)
+
+
+async def test_a_resync_in_flight_during_a_spec_change_never_deletes_the_new_revision(operator, serving, profile, monkeypatch):
+    """A timer that fetched the serving before a spec change must not act on that stale body (it would
+    delete the revision the change just created, as a fresh-machine run once showed)."""
     await create(operator, profile)
     await create(operator, with_uid(serving))
     first = (await eventually(lambda: live(operator, DEPLOYMENTS)))[0]
     await set_ready(operator, first, 2)
     await eventually(lambda: status_of(operator).get("phase") == "Serving")
-    monkeypatch.setattr(Cluster, "apply", slow_apply)
+    slow_api(monkeypatch, 0.05)
     await asyncio.sleep(0.5)
     await merge_patch(operator, serving, {"spec": {"speculator": {"method": "ngram", "draftModel": None, "numSpeculativeTokens": 4}}})
     both = await eventually(lambda: len(live(operator, DEPLOYMENTS)) == 2 and live(operator, DEPLOYMENTS))
@@ -190,18 +195,10 @@ async def test_delete_cleans_up_every_child(operator, serving, profile):
 
 async def test_delete_during_a_slow_resync_leaves_no_child_behind(operator, serving, profile, monkeypatch):
     """A resync in flight when the serving is deleted must not re-apply children behind the cleanup."""
-    from specserve_operator.apply import Cluster
-
-    apply = Cluster.apply
-
-    def slow_apply(self, obj):
-        time.sleep(0.1)  # a slow API server: with 0.3 s resyncs, some reconcile is nearly always in flight
-        return apply(self, obj)
-
     await create(operator, profile)
     await create(operator, with_uid(serving))
     await eventually(lambda: live(operator, "networking.k8s.io/v1/networkpolicies"))
-    monkeypatch.setattr(Cluster, "apply", slow_apply)
+    slow_api(monkeypatch, 0.1)
     await asyncio.sleep(0.5)
     client = cluster_client(operator)
     await asyncio.to_thread(client.delete, "specserve.io/v1alpha1", "SpeculativeServing", "team-a", "qwen3-8b")
