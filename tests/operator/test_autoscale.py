@@ -5,6 +5,8 @@ import datetime
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specserve_operator import api
 from specserve_operator.autoscale import HEADROOM, Limits, decide, limits, max_step_down, max_step_up, prior_points, tick
@@ -132,3 +134,35 @@ def test_tick_carries_everything_in_status():
     held, no_data = tick(status, [missing], prior, spec, profile, profile.slo, 3, False, T0 + datetime.timedelta(hours=1))
     assert no_data.replicas == 3 and "prometheus outage" in no_data.reason
     assert len(held.observations) == OBSERVATIONS  # nothing recorded from a window without data
+
+
+# ----- properties over any demand, model and bounds -------------------------------------------------
+
+demands = st.floats(min_value=0.0, max_value=500.0)
+slopes = st.floats(min_value=0.5, max_value=50.0)
+bounds_ = st.tuples(st.integers(1, 10), st.integers(1, 60), st.one_of(st.none(), st.integers(1, 60))).map(
+    lambda t: Limits(min(t[0], t[1], t[2] or t[1]), min(t[1], t[2] or t[1]), t[2], 1.0))
+
+
+@settings(max_examples=300, deadline=None)
+@given(demand=demands, slope=slopes, bounds=bounds_, current=st.integers(0, 80))
+def test_decisions_stay_within_bounds_and_the_budget(demand, slope, bounds, current):
+    model = fit([], [Point(c, slope * c) for c in (1, 4)])
+    decision = decide(current, demand, [model], SLO, bounds, NO_WAIT, [], T0)
+    assert bounds.low <= decision.replicas <= bounds.high
+    if bounds.budget_cap is not None:
+        assert decision.replicas <= bounds.budget_cap
+    if decision.recommended is not None and not decision.budget_limited and "above the SLO" not in decision.reason:
+        n = decision.recommended
+        assert model.p99_inter_token_latency_ms(demand * HEADROOM / n) <= SLO.p99_inter_token_latency_ms
+
+
+@settings(max_examples=300, deadline=None)
+@given(low=demands, high=demands, slope=slopes)
+def test_more_demand_never_recommends_fewer_replicas(low, high, slope):
+    low, high = min(low, high), max(low, high)
+    model = fit([], [Point(c, slope * c) for c in (1, 4)])
+    bounds = Limits(1, 200, None, 1.0)
+    fewer = decide(1, low, [model], SLO, bounds, NO_WAIT, [], T0).recommended
+    more = decide(1, high, [model], SLO, bounds, NO_WAIT, [], T0).recommended
+    assert more >= fewer
