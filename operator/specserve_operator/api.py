@@ -283,6 +283,7 @@ class CanaryStatus(RevisionStatus):
     weight: int = 0
     step_started_at: str | None = None
     state: Literal["Progressing", "AwaitingPromotion"] = "Progressing"
+    passed_checks: int = Field(0, description="consecutive passing analyses in this step")
     failed_checks: int = Field(0, description="consecutive failed analyses")
     inconclusive_checks: int = Field(0, description="consecutive inconclusive analyses")
     last_analysis: AnalysisResult | None = None
@@ -331,7 +332,8 @@ class AutoscalingStatus(Model):
     last_scale_time: str | None = None
     last_evaluation_time: str | None = None
     reason: str = ""
-    demand: float | None = Field(None, description="requests in flight, all revisions, at the last decision")
+    demand_requests_per_second: float | None = Field(None, description="requests finished per second, all revisions, at the last decision")
+    demand_tokens_per_request: float | None = Field(None, description="generated tokens per finished request, at the last decision")
     predicted_p99_inter_token_latency_ms: float | None = None
     predicted_p99_time_to_first_token_ms: float | None = None
     recommendations: list[Recommendation] = []

@@ -1,13 +1,22 @@
 """The autoscaler's decision: how many replicas a serving runs. Pure: no I/O, the clock is a parameter.
 
 Objective. At a given demand the tokens served per second are fixed by the demand, so the count
-that maximises tokens per dollar is the smallest one whose predicted p99s meet the SLO: for each
-count n within the bounds, the per-replica load is the measured demand (requests in flight,
-summed over revisions) times HEADROOM, divided by n, and every running revision's capacity model
-(capacity.py) must predict a p99 inter-token latency, and time to first token when the SLO sets
-one, within the SLO at that load. During a canary the autoscaler sizes the total and the rollout's
+that maximises tokens per dollar is the smallest one whose predicted p99s meet the SLO.
+
+Demand is the measured arrival of work, not the requests in flight: requests finished per second
+(all revisions) and tokens generated per request. Requests in flight depend on the replica count
+(fewer replicas decode each request more slowly, so more of them are in flight at once), so they
+are what the model predicts, not what it takes as given. For each count n within the bounds, a
+replica receives rate = demand x HEADROOM / n requests per second, and by Little's law holds
+    c = rate x (TTFT(c) + (tokens per request - 1) x ITL(c))
+requests in flight, with TTFT and ITL the capacity model's fitted lines in c (capacity.py):
+T(c) = A + B c seconds per request. With utilisation u = rate x B, the fluid solution is
+rate x A / (1 - u); Poisson arrivals add the processor-sharing queue's u / (1 - u) (exact for a
+fixed-throughput replica, A = 0), so c = (rate x A + u) / (1 - u). A count whose replicas would
+run past UTILISATION_LIMIT does not qualify: near saturation the queue is too sensitive to trust. The capacity model's p99 predictions at that c (with their confidence
+margins) must meet the SLO. During a canary the autoscaler sizes the total and the rollout's
 weight splits it (render.split_replicas): one writer of replicas; both revisions see the same
-per-replica load, so the worse of their two models decides.
+per-replica rate, so the worse of their two models decides.
 
 Bounds: spec.replicas.min / max, the profile's maxReplicas, and as many replicas as the profile's
 maxHourlyCostUSD pays for (never exceeded; when the SLO needs more, BudgetLimited with the numbers).
@@ -21,14 +30,16 @@ half down. No data holds the current count.
 
 import datetime
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from . import api
-from .capacity import OBSERVATIONS, Capacity, Point, fit
+from .capacity import OBSERVATIONS, Capacity, Line, Point, fit
 from .measure import Window
 from .rollout import parse_time, timestamp
 
 HEADROOM = 1.2  # plan for 20% more load than measured
+UTILISATION_LIMIT = 0.85  # of a replica's saturating arrival rate (1 / B in Little's law above)
 DOWN_TOLERANCE = 0.1  # like the HPA's tolerance: noise around a boundary must not flap the count
 
 
@@ -65,15 +76,53 @@ class ScaleDecision:
     recommended: int | None  # before stabilisation and step limits; None without data
     reason: str
     budget_limited: bool = False
-    demand: float | None = None  # requests in flight, all revisions
+    demand: "Demand | None" = None
     predicted_p99_inter_token_latency_ms: float | None = None
     predicted_p99_time_to_first_token_ms: float | None = None
     recommendations: list[tuple[str, int]] = field(default_factory=list)  # (at, replicas), the windows' worth
 
 
-def _predict(capacities: list[Capacity], load: float) -> tuple[float, float | None]:
-    itl = max(c.p99_inter_token_latency_ms(load) for c in capacities)
-    ttfts = [t for t in (c.p99_time_to_first_token_ms(load) for c in capacities) if t is not None]
+@dataclass(frozen=True)
+class Demand:
+    requests_per_second: float  # finished, all revisions
+    tokens_per_request: float  # generated tokens per finished request
+
+    def __str__(self) -> str:
+        return f"{self.requests_per_second:.2f} req/s x {self.tokens_per_request:.0f} tokens"
+
+
+def demand_of(windows: list[Window]) -> tuple[Demand | None, str | None]:
+    """The serving's demand over its revisions' windows, or None and why."""
+    missing = [f"{w.revision}: {w.missing}" for w in windows if w.missing is not None]
+    if missing or not windows:
+        return None, "; ".join(missing) or "no running revision"
+    finished = sum(w.finished_requests or 0 for w in windows)
+    tokens = sum(w.generated_tokens or 0 for w in windows)
+    if finished <= 0:
+        return None, "no request finished in the window"
+    return Demand(sum((w.finished_requests or 0) / w.seconds for w in windows), max(tokens / finished, 1.0)), None
+
+
+def in_flight(capacity: Capacity, rate: float, tokens_per_request: float) -> float | None:
+    """Requests in flight per replica at `rate` requests/s (Little's law on the fitted lines), or
+    None past UTILISATION_LIMIT."""
+    ttft = capacity.ttft or Line(0.0, 0.0, 0.0)
+    fixed = (ttft.intercept + (tokens_per_request - 1) * capacity.itl.intercept) / 1000  # A: seconds per request
+    per_request = (ttft.slope + (tokens_per_request - 1) * capacity.itl.slope) / 1000  # B: ... per request in flight
+    utilisation = rate * per_request
+    if utilisation >= UTILISATION_LIMIT:
+        return None
+    return (rate * fixed + utilisation) / (1 - utilisation)
+
+
+def _predict(capacities: list[Capacity], demand: Demand, count: int) -> tuple[float, float | None] | None:
+    """The worst revision's predicted p99s with `count` replicas, or None when one would saturate."""
+    rate = demand.requests_per_second * HEADROOM / count
+    loads = [in_flight(c, rate, demand.tokens_per_request) for c in capacities]
+    if any(load is None for load in loads):
+        return None
+    itl = max(c.p99_inter_token_latency_ms(load) for c, load in zip(capacities, loads))
+    ttfts = [t for t in (c.p99_time_to_first_token_ms(load) for c, load in zip(capacities, loads)) if t is not None]
     return itl, (max(ttfts) if ttfts else None)
 
 
@@ -83,20 +132,21 @@ def _meets(slo: api.Slo, itl: float, ttft: float | None) -> bool:
     return slo.p99_time_to_first_token_ms is None or ttft is None or ttft <= slo.p99_time_to_first_token_ms
 
 
-def recommend(demand: float, capacities: list[Capacity], slo: api.Slo, bounds: Limits) -> tuple[int, bool, float, float | None]:
-    """(replicas, SLO met, predicted p99 ITL, predicted p99 TTFT) for the smallest count that meets the SLO."""
+def recommend(demand: Demand, capacities: list[Capacity], slo: api.Slo, bounds: Limits
+              ) -> tuple[int, bool, float | None, float | None]:
+    """(replicas, SLO met, predicted p99 ITL, predicted p99 TTFT) for the smallest count that meets
+    the SLO; the predictions are None where even the maximum would saturate."""
     for count in range(max(bounds.low, 1), bounds.high + 1):
-        itl, ttft = _predict(capacities, demand * HEADROOM / count)
-        if _meets(slo, itl, ttft):
-            return count, True, itl, ttft
-    top = max(bounds.high, 1)
-    itl, ttft = _predict(capacities, demand * HEADROOM / top)
-    return bounds.high, False, itl, ttft
+        predicted = _predict(capacities, demand, count)
+        if predicted is not None and _meets(slo, *predicted):
+            return count, True, *predicted
+    predicted = _predict(capacities, demand, max(bounds.high, 1)) or (None, None)
+    return bounds.high, False, *predicted
 
 
 def decide(
     current: int,
-    demand: float | None,
+    demand: Demand | None,
     capacities: list[Capacity],
     slo: api.Slo,
     bounds: Limits,
@@ -105,8 +155,8 @@ def decide(
     now: datetime.datetime,
     missing: str | None = None,
 ) -> ScaleDecision:
-    """The replica count for all revisions together. `demand` is the measured requests in flight
-    (None, with `missing` saying why, when there is no data)."""
+    """The replica count for all revisions together (`demand` None, with `missing` saying why, when
+    there is no data)."""
     if demand is None or not capacities:
         why = missing or "no capacity model yet"
         held = min(max(current, bounds.low), bounds.high)
@@ -116,7 +166,8 @@ def decide(
 
     raw, met, itl, ttft = recommend(demand, capacities, slo, bounds)
     if raw < current:  # hysteresis: scale down only to a count that would also hold DOWN_TOLERANCE more demand
-        raw = min(recommend(demand * (1 + DOWN_TOLERANCE), capacities, slo, bounds)[0], current)
+        more = Demand(demand.requests_per_second * (1 + DOWN_TOLERANCE), demand.tokens_per_request)
+        raw = min(recommend(more, capacities, slo, bounds)[0], current)
     window = max(autoscaling.scale_up_stabilization_seconds, autoscaling.scale_down_stabilization_seconds)
     kept = [(at, n) for at, n in recommendations if (now - parse_time(at)).total_seconds() < window]
     kept.append((timestamp(now), raw))
@@ -131,8 +182,11 @@ def decide(
         target = max(min(max(within(autoscaling.scale_down_stabilization_seconds)), current), max_step_down(current))
     target = min(max(target, bounds.low), bounds.high)
 
-    ttft_text = f", p99 TTFT {ttft:.0f}ms" if ttft is not None else ""
-    numbers = f"demand {demand:.1f} in flight (x{HEADROOM} headroom): {raw} replicas predict p99 ITL {itl:.1f}ms{ttft_text}"
+    if itl is None:
+        predicted = "saturate"
+    else:
+        predicted = f"predict p99 ITL {itl:.1f}ms" + (f", p99 TTFT {ttft:.0f}ms" if ttft is not None else "")
+    numbers = f"demand {demand} (x{HEADROOM} headroom): {raw} replicas {predicted}"
     budget_limited = not met and bounds.budget_cap is not None and bounds.high == bounds.budget_cap
     if budget_limited:
         reason = (f"{numbers}, above the SLO; maxHourlyCostUSD pays for {bounds.budget_cap} replicas "
@@ -148,7 +202,7 @@ def decide(
 
 def prior_points(performance: list[dict] | None) -> list[Point]:
     """Capacity prior from a performance table: rows of {concurrency, tokensPerSecondPerRequest, ttftMs}
-    (the simulator's scenario `performance.<method>.curve`, as `specserve bench --emit-performance` writes it)."""
+    (a scenario's `performance.<method>.curve`; the operator's SPECSERVE_CAPACITY_PRIORS file)."""
     return [Point(row["concurrency"], 1000.0 / row["tokensPerSecondPerRequest"], row.get("ttftMs"))
             for row in performance or [] if row["tokensPerSecondPerRequest"] > 0]
 
@@ -156,7 +210,8 @@ def prior_points(performance: list[dict] | None) -> list[Point]:
 def tick(
     status: api.AutoscalingStatus,
     windows: list[Window],
-    priors: dict[str, list[Point]],
+    deciding: list[str],
+    priors: Mapping[str, Sequence[Point]],
     spec: api.SpeculativeServingSpec,
     profile: api.ServingProfileSpec,
     slo: api.Slo,
@@ -164,12 +219,13 @@ def tick(
     canary: bool,
     now: datetime.datetime,
 ) -> tuple[api.AutoscalingStatus, ScaleDecision]:
-    """One autoscaling step for a serving: record this tick's windows (one per running revision) as
-    capacity observations, fit each revision's model, decide. The operator and `specserve simulate`
+    """One autoscaling step for a serving: record this tick's windows (one per serving revision) as
+    capacity observations, fit the models of the revisions that will run (`deciding`), decide at
+    the demand all the windows measured. The operator and `specserve simulate`
     both call this; everything it needs next time is in the returned status."""
     at = timestamp(now)
-    running = {w.revision for w in windows}
-    observations = [o for o in status.observations if o.revision in running]
+    serving = {w.revision for w in windows}
+    observations = [o for o in status.observations if o.revision in serving]
     for w in windows:
         if w.missing is None and w.p99_inter_token_latency_ms is not None and w.in_flight_per_replica is not None:
             observations.append(api.CapacityObservation(
@@ -177,26 +233,26 @@ def tick(
                 p99_inter_token_latency_ms=w.p99_inter_token_latency_ms,
                 p99_time_to_first_token_ms=w.p99_time_to_first_token_ms))
     kept = []
-    for revision in running:
+    for revision in serving:
         kept += [o for o in observations if o.revision == revision][-OBSERVATIONS:]
     capacities = []
-    for revision in sorted(running):
+    for revision in sorted(set(deciding)):
         measured = [Point(o.in_flight_per_replica, o.p99_inter_token_latency_ms, o.p99_time_to_first_token_ms)
                     for o in kept if o.revision == revision]
-        model = fit(measured, priors.get(revision, []))
+        model = fit(measured, priors.get(revision, ()))
         if model is not None:
             capacities.append(model)
 
-    missing = [f"{w.revision}: {w.missing}" for w in windows if w.missing is not None]
-    demand = None if missing or not windows else sum((w.in_flight_per_replica or 0) * w.ready_replicas for w in windows)
+    demand, missing = demand_of(windows)
     decision = decide(current, demand, capacities, slo, limits(spec, profile, canary), spec.autoscaling,
-                      [(r.at, r.replicas) for r in status.recommendations], now, "; ".join(missing) or None)
+                      [(r.at, r.replicas) for r in status.recommendations], now, missing)
     changed = decision.replicas != current
     new_status = api.AutoscalingStatus(
         desired_replicas=decision.replicas,
         last_scale_time=at if changed else status.last_scale_time,
         reason=decision.reason,
-        demand=decision.demand,
+        demand_requests_per_second=decision.demand.requests_per_second if decision.demand else None,
+        demand_tokens_per_request=decision.demand.tokens_per_request if decision.demand else None,
         predicted_p99_inter_token_latency_ms=decision.predicted_p99_inter_token_latency_ms,
         predicted_p99_time_to_first_token_ms=decision.predicted_p99_time_to_first_token_ms,
         recommendations=[api.Recommendation(at=a, replicas=n) for a, n in decision.recommendations],

@@ -4,7 +4,7 @@ Form. With c = requests in flight per ready replica,
     p99 inter-token latency (c) = itl0 + itl_slope * c      p99 time to first token (c) = ttft0 + ttft_slope * c
 fitted by least squares over the revision's recent measurement windows (the autoscaler keeps the
 last OBSERVATIONS in status, so a restart keeps the fit) together with a prior: points from a
-performance table (`specserve bench --emit-performance`, or a scenario's `performance` curve),
+performance table (the operator's SPECSERVE_CAPACITY_PRIORS, a scenario's `performance` curves),
 each weighted as one window. When the points do not spread over load (all at one concurrency),
 the slope cannot be estimated and the model assumes the replica's token throughput is fixed
 (latency proportional to load, itl0 = 0): the conservative case of a one-sequence-at-a-time

@@ -7,15 +7,11 @@ import yaml
 
 from . import api
 from .render import Settings, Traffic, render_all
-from .validate import check_against_profile, parse_profile, parse_serving
+from .validate import InputProblems, check_against_profile, parse_profile, parse_serving
 
 
-class RenderError(Exception):
-    """Invalid input to `specserve render`: one problem per line, exit status 2."""
-
-    def __init__(self, problems: list[str]):
-        super().__init__("\n".join(problems))
-        self.problems = problems
+class RenderError(InputProblems):
+    """Invalid input to `specserve render`."""
 
 
 def _load_documents(path: Path) -> list[dict]:
@@ -96,9 +92,7 @@ def cmd_render(args) -> int:
     try:
         objects = render_file(Path(args.file))
     except RenderError as exc:
-        for problem in exc.problems:
-            print(problem, file=sys.stderr)
-        return 2
+        return exc.report()
     sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False))
     return 0
 
@@ -177,3 +171,7 @@ def add_commands(commands) -> None:
     from .canary import add_canary_command
 
     add_canary_command(commands)
+
+    from .simulate import add_simulate_command
+
+    add_simulate_command(commands)

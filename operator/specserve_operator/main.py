@@ -6,6 +6,7 @@ import contextlib
 import datetime
 import os
 import threading
+from pathlib import Path
 
 import kopf
 from kubernetes.client.rest import ApiException
@@ -16,6 +17,7 @@ from .apply import Cluster
 from .measure import PrometheusSource, ScrapeSource
 from .reconcile import Outcome, cleanup, reconcile
 from .render import Settings
+from .scenario import load_capacity_priors
 
 SERVINGS = (api.GROUP, api.VERSION, "speculativeservings")
 PROFILES = (api.GROUP, api.VERSION, "servingprofiles")
@@ -49,6 +51,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_):
         monitoring_namespace=os.environ.get("SPECSERVE_MONITORING_NAMESPACE", "monitoring"),
         operator_namespace=os.environ.get("SPECSERVE_OPERATOR_NAMESPACE", "specserve-system"),
         autoscale_interval_seconds=float(os.environ.get("SPECSERVE_AUTOSCALE_INTERVAL_SECONDS", "30")),
+        capacity_priors=load_capacity_priors(Path(priors)) if (priors := os.environ.get("SPECSERVE_CAPACITY_PRIORS")) else {},
     )
     # Canary measurements: Prometheus when configured, else the runtime pods' /metrics directly.
     prometheus = os.environ.get("SPECSERVE_PROMETHEUS_URL", "").strip()

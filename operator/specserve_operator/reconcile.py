@@ -15,7 +15,8 @@ from . import api, autoscale
 from .analysis import Report, analyse
 from .apply import CHILD_KINDS, Cluster
 from .measure import MeasurementError, Pricing, ScrapeSource, Target, Window
-from .render import Profile, Serving, Settings, Traffic, candidate_hash, render_all, replica_budget, revision_hash, revisions
+from .render import (Profile, Serving, Settings, Traffic, candidate_hash, planned_revisions, render_all, replica_budget,
+                     revision_hash, revisions)
 from .rollout import Decision, Event, analysis_due, decide, parse_time, timestamp
 from .validate import check_against_profile, parse_profile, parse_serving
 
@@ -150,10 +151,15 @@ def autoscale_serving(cluster: Cluster, source, serving: Serving, profile: Profi
     last = previous.last_evaluation_time
     if last is not None and (now - parse_time(last)).total_seconds() < settings.autoscale_interval_seconds:
         return held
-    running = [r.hash for r in revisions(spec, current, Traffic(decision.stage, decision.weight)) if r.replicas > 0]
-    windows, problem = measure_interval(cluster, source, serving, profile, running, deployments,
+    # Demand is measured on every revision that serves (an old stable still draining a promotion
+    # too); the revisions the decision keeps running are the ones whose capacity decides.
+    running = [r for r in revisions(spec, current, Traffic(decision.stage, decision.weight)) if r.replicas > 0]
+    serving_now = [name.removeprefix(f"{serving.name}-") for name, d in sorted(deployments.items()) if ready_replicas(d)]
+    measured = [r.hash for r in running] + [h for h in serving_now if h not in {r.hash for r in running}]
+    windows, problem = measure_interval(cluster, source, serving, profile, measured, deployments,
                                         settings.autoscale_interval_seconds)
-    status, scale = autoscale.tick(previous, windows, {}, spec, profile.spec, effective_slo(spec, profile), current,
+    priors = {r.hash: settings.capacity_priors.get(r.speculator.method, ()) for r in running}
+    status, scale = autoscale.tick(previous, windows, [r.hash for r in running], priors, spec, profile.spec, effective_slo(spec, profile), current,
                                    decision.stage == "Canary", now)
     status = status.model_copy(update={"last_evaluation_time": timestamp(now)})
     result = Scaling(scale.replicas, status, fleet_metrics(windows) or old_status.get("metrics"))
@@ -182,8 +188,7 @@ def pod_urls(cluster: Cluster, serving: Serving, revision: str) -> tuple[str, ..
 
 
 def serving_status(serving: Serving, profile: Profile, old_status: dict, generation: int | None, existing: dict,
-                   decision: Decision, revs: list, scaling: "Scaling", at: str) -> dict:
-    spec = serving.spec
+                   decision: Decision, revs: list, total: int, scaling: "Scaling", at: str) -> dict:
     deployments = {d["metadata"]["name"]: d for d in existing.get(("apps/v1", "Deployment"), [])}
 
     def revision_status(revision) -> dict:
@@ -223,7 +228,7 @@ def serving_status(serving: Serving, profile: Profile, old_status: dict, generat
         "stable": stable,
         "canary": None,
         "lastRollout": decision.last_rollout.model_dump(by_alias=True, exclude_none=True) if decision.last_rollout else None,
-        "replicas": sum(r.replicas for r in revs),
+        "replicas": total,
         "selector": f"specserve.io/serving={serving.name}",
         "autoscaling": scaling.status.model_dump(by_alias=True, exclude_none=True) if scaling.status else None,
         "metrics": scaling.metrics or old_status.get("metrics"),
@@ -276,14 +281,17 @@ def reconcile(cluster: Cluster, body: dict, settings: Settings, source, now: dat
 
     scaling = autoscale_serving(cluster, source, serving, profile, settings, old_status, decision, deployments, now)
     outcome.events += scaling.events
-    revs = revisions(spec, replica_budget(spec, profile.spec, scaling.replicas), Traffic(decision.stage, decision.weight))
+    canary_ready = ready_replicas(deployments.get(f"{serving.name}-{candidate}")) if candidate else None
+    traffic = Traffic(decision.stage, decision.weight, canary_ready=canary_ready)
+    revs = planned_revisions(spec, profile.spec, scaling.replicas, traffic)
     canary_revision = revs[1].hash if len(revs) > 1 else None
-    backend = stable_backend(serving, revs[0].hash, revs[0].replicas, deployments, canary_revision)
-    traffic = Traffic(decision.stage, decision.weight, backend)
+    traffic = replace(traffic, stable_backend=stable_backend(serving, revs[0].hash, revs[0].replicas, deployments,
+                                                             canary_revision))
     desired = render_all(serving, profile, settings, traffic, scaling.replicas)
     for obj in desired:
         outcome.applied[f"{obj['kind']}/{obj['metadata']['name']}"] = cluster.apply(obj)
-    outcome.status = serving_status(serving, profile, old_status, generation, existing, decision, revs, scaling, at)
+    total = replica_budget(spec, profile.spec, scaling.replicas)  # the autoscaler's count: without a start-up surge
+    outcome.status = serving_status(serving, profile, old_status, generation, existing, decision, revs, total, scaling, at)
     outcome.events += decision.events
     outcome.consumed_annotations = decision.consumed_annotations
     for api_version, kind, name in plan_deletions(desired, existing, is_ready(outcome.status["stable"])):

@@ -7,12 +7,14 @@ and hand the result to apply.py (or print it).
 import hashlib
 import json
 import math
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from specserve_runtime.config import CONFIG_FILE, CONFIG_MOUNT, DEFAULT_PORT, RuntimeConfig
 
 from . import api
+from .capacity import Point
 
 PORT_NAME = "http"
 RUNTIME_UID = 10001
@@ -51,12 +53,14 @@ class Traffic:
     stage: Stable (no canary), Canary (the candidate takes `canary_weight` percent), Aborted (the
     candidate's Deployment kept at zero replicas for inspection), Promoted (the candidate revision
     is the stable one). stable_backend: the revision `<name>-stable` routes to while a new stable
-    revision is not ready yet (None: the stable revision itself).
+    revision is not ready yet (None: the stable revision itself). canary_ready: the candidate's
+    ready pods (None: not known), see planned_revisions.
     """
 
     stage: Literal["Stable", "Canary", "Aborted", "Promoted"] = "Stable"
     canary_weight: int | None = None
     stable_backend: str | None = None
+    canary_ready: int | None = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,9 @@ class Settings:
     monitoring_namespace: str = "monitoring"
     operator_namespace: str = "specserve-system"
     autoscale_interval_seconds: float = 30.0  # measure and decide replicas this often (autoscaling.enabled)
+    # The autoscaler's capacity prior per speculator method, until measured windows outweigh it
+    # (capacity.py): SPECSERVE_CAPACITY_PRIORS in the operator, the scenario's performance in the simulator.
+    capacity_priors: Mapping[str, Sequence[Point]] = field(default_factory=dict)
 
 
 def revision_hash(model: api.ModelRef, speculator: api.Speculator, runtime: api.RuntimeSpec) -> str:
@@ -81,16 +88,21 @@ def candidate_runtime(spec: api.SpeculativeServingSpec) -> api.RuntimeSpec:
     return spec.runtime.model_copy(update=override.model_dump(exclude_none=True, by_alias=False))
 
 
+def replica_ceiling(spec: api.SpeculativeServingSpec, profile: api.ServingProfileSpec) -> int:
+    """The most replicas all revisions together may run: spec bounds, the profile's limit and its cost budget."""
+    ceiling = min(spec.replicas.max, profile.limits.max_replicas)
+    cost_per_replica = profile.accelerator.count * profile.accelerator.price_per_hour_usd
+    if profile.limits.max_hourly_cost_usd is not None and cost_per_replica > 0:
+        ceiling = min(ceiling, math.floor(profile.limits.max_hourly_cost_usd / cost_per_replica))
+    return max(ceiling, 0)
+
+
 def replica_budget(spec: api.SpeculativeServingSpec, profile: api.ServingProfileSpec, wanted: int | None = None) -> int:
     """Replicas for all revisions together, within spec bounds, the profile's limit and its cost budget."""
     replicas = spec.replicas
     count = replicas.desired if wanted is None and replicas.desired is not None else wanted
     count = replicas.min if count is None else count
-    ceiling = min(replicas.max, profile.limits.max_replicas)
-    cost_per_replica = profile.accelerator.count * profile.accelerator.price_per_hour_usd
-    if profile.limits.max_hourly_cost_usd is not None and cost_per_replica > 0:
-        ceiling = min(ceiling, math.floor(profile.limits.max_hourly_cost_usd / cost_per_replica))
-    return max(0, min(max(count, replicas.min), ceiling))
+    return max(0, min(max(count, replicas.min), replica_ceiling(spec, profile)))
 
 
 def candidate_hash(spec: api.SpeculativeServingSpec) -> str | None:
@@ -122,6 +134,22 @@ def revisions(spec: api.SpeculativeServingSpec, total: int, traffic: Traffic = T
         replace(stable, replicas=stable_replicas),
         Revision("canary", speculator, runtime, candidate, canary_replicas),
     ]
+
+
+def planned_revisions(spec: api.SpeculativeServingSpec, profile: api.ServingProfileSpec, wanted: int | None,
+                      traffic: Traffic) -> list[Revision]:
+    """The revisions' replica counts as applied: the budgeted total split by the rollout's weight,
+    and while the candidate's pods start (fewer ready than its replicas), the stable keeps the pods
+    they will replace. One Service spreads requests over all ready pods, so a stable pod removed
+    before its replacement is ready is capacity lost for a whole start-up. The surge stays within
+    replica_ceiling: the budget is a wall for it too."""
+    revs = revisions(spec, replica_budget(spec, profile, wanted), traffic)
+    if traffic.stage != "Canary" or len(revs) < 2 or traffic.canary_ready is None:
+        return revs
+    stable, canary = revs
+    starting = max(canary.replicas - traffic.canary_ready, 0)
+    keep = min(stable.replicas + starting, replica_ceiling(spec, profile) - canary.replicas)
+    return [replace(stable, replicas=max(stable.replicas, keep)), canary]
 
 
 def selector_labels(serving: Serving) -> dict[str, str]:
@@ -357,7 +385,7 @@ def render_all(
 ) -> list[dict]:
     """Every child object, for the rollout's current `traffic` decision."""
     spec = serving.spec
-    revs = revisions(spec, replica_budget(spec, profile.spec, wanted_replicas), traffic)
+    revs = planned_revisions(spec, profile.spec, wanted_replicas, traffic)
     objects = []
     for revision in revs:
         objects += [config_map(serving, profile, revision), deployment(serving, profile, revision)]

@@ -12,8 +12,11 @@ The rules, one call per reconcile (`decide`):
 - Pass resets the consecutive fail count. Fail adds one; `failureLimit` consecutive Fails abort.
   Inconclusive neither passes nor fails: it holds the step (never advances, never promotes) and
   after INCONCLUSIVE_LIMIT consecutive ones sets the condition AnalysisInconclusive.
-- A step is complete when its `analysisSeconds` have passed since it started and the latest
-  analysis passed; then the next step starts at its weight. After the last step: promote when
+- A step is complete when its `analysisSeconds` have passed since it started and its last
+  `required_passes` analyses (analysisSeconds / intervalSeconds, at least 1) all passed; then the
+  next step starts at its weight. A Fail or an Inconclusive interval (a Prometheus outage) starts
+  that count again, so time without evidence (an outage, an operator that was down) never
+  completes a step. After the last step: promote when
   `autoPromote`, else wait (state AwaitingPromotion, still analysing) for the annotation
   specserve.io/promote: "true" (which may also be set in advance).
 - specserve.io/abort: "true" aborts at once. An aborted candidate keeps its Deployment at zero
@@ -126,6 +129,11 @@ def _promote(events: list[Event], consumed: list[str], canary: api.CanaryStatus,
     )
 
 
+def required_passes(step: api.RolloutStep, analysis: api.Analysis) -> int:
+    """Consecutive passing analyses that complete a step: one per interval of its analysisSeconds."""
+    return max(1, int(step.analysis_seconds // analysis.interval_seconds))
+
+
 def decide(
     rollout: api.Rollout | None,
     stable_revision: str,
@@ -166,11 +174,12 @@ def decide(
 
     if report is not None:
         result = analysis_result(report, canary, now)
+        passes = canary.passed_checks + 1 if report.verdict == "Pass" else 0
         fails = 0 if report.verdict == "Pass" else canary.failed_checks + (report.verdict == "Fail")
         inconclusive = canary.inconclusive_checks + 1 if report.verdict == "Inconclusive" else 0
         canary = canary.model_copy(update={
             "last_analysis": result, "history": (canary.history + [result])[-HISTORY_LENGTH:],
-            "failed_checks": fails, "inconclusive_checks": inconclusive,
+            "passed_checks": passes, "failed_checks": fails, "inconclusive_checks": inconclusive,
         })
         if report.verdict == "Fail":
             events.append(Event("Warning", "AnalysisFailed",
@@ -180,13 +189,14 @@ def decide(
 
     step = rollout.steps[min(canary.step, len(rollout.steps) - 1)]
     held = (now - parse_time(canary.step_started_at)).total_seconds() >= step.analysis_seconds
-    if canary.state == "Progressing" and report is not None and report.verdict == "Pass" and held:
+    passed = canary.passed_checks >= required_passes(step, rollout.analysis)
+    if canary.state == "Progressing" and report is not None and report.verdict == "Pass" and held and passed:
         if canary.step + 1 < len(rollout.steps):
             following = rollout.steps[canary.step + 1]
             events.append(Event("Normal", "StepAdvanced",
                                          f"step {canary.step} passed ({_numbers(canary)}); step {canary.step + 1} at weight {following.weight}%"))
             canary = canary.model_copy(update={"step": canary.step + 1, "weight": following.weight,
-                                               "step_started_at": timestamp(now)})
+                                               "step_started_at": timestamp(now), "passed_checks": 0})
         elif rollout.auto_promote:
             return _promote(events, consumed, canary, now, f"all {len(rollout.steps)} steps passed; {_numbers(canary)}")
         else:

@@ -1,11 +1,26 @@
 """Validation of SpeculativeServings and ServingProfiles: every problem as 'field.path: message'."""
 
 import re
+import sys
 
 from pydantic import ValidationError
 
 from . import api
 from .render import Profile, Serving
+
+class InputProblems(Exception):
+    """Input that cannot be used: one problem per line, each naming its file or field path."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+    def report(self) -> int:
+        """For a command: every problem on stderr, and exit status 2."""
+        for problem in self.problems:
+            print(problem, file=sys.stderr)
+        return 2
+
 
 _SUBPATH = re.compile(r"^(?:Value error, )?([A-Za-z][\w.\[\]]*): (.*)$", re.S)
 

@@ -9,15 +9,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specserve_operator import api
-from specserve_operator.autoscale import HEADROOM, Limits, decide, limits, max_step_down, max_step_up, prior_points, tick
+from specserve_operator.autoscale import (
+    HEADROOM, UTILISATION_LIMIT, Demand, Limits, decide, demand_of, in_flight, limits, max_step_down, max_step_up,
+    prior_points, tick,
+)
 from specserve_operator.capacity import OBSERVATIONS, Point, fit
-from specserve_operator.measure import Window
+from specserve_operator.measure import Target, Window
 
 T0 = datetime.datetime(2026, 11, 23, 10, 0, 0, tzinfo=datetime.timezone.utc)
 SLO = api.Slo(p99InterTokenLatencyMs=40)
 NO_WAIT = api.Autoscaling(enabled=True, scaleUpStabilizationSeconds=0, scaleDownStabilizationSeconds=0)
-# 10 ms per token and request in flight per replica (no fixed part): 40 ms holds up to ~2.4 in flight with the margins
-LINEAR = [Point(c, 10.0 * c, 100.0 * c) for c in (1, 2, 4, 8)]
+# A batching engine: 10 ms per token plus 1 ms per request in flight; 40 ms holds up to ~16 in flight with the margins
+LINEAR = [Point(c, 10.0 + 1.0 * c, 100.0 + 10.0 * c) for c in (1, 2, 4, 8, 16)]
+TOKENS = 100  # generated tokens per request
+
+
+def rps(value: float) -> Demand:
+    return Demand(value, TOKENS)
 
 
 def capacity(points=LINEAR, measured=()):
@@ -26,11 +34,36 @@ def capacity(points=LINEAR, measured=()):
 
 def test_capacity_fits_a_line_and_widens_with_little_evidence():
     model = capacity()
-    assert model.itl.slope == pytest.approx(10.0) and model.itl.intercept == pytest.approx(0.0, abs=1e-9)
+    assert model.itl.slope == pytest.approx(1.0) and model.itl.intercept == pytest.approx(10.0)
     assert model.margin == pytest.approx(0.5)  # prior only
-    many = fit([Point(2, 20.0)] * 15, LINEAR)
+    many = fit([Point(2, 12.0)] * 15, LINEAR)
     assert many.margin == pytest.approx(0.2)
     assert many.p99_inter_token_latency_ms(2) < model.p99_inter_token_latency_ms(2)
+
+
+def test_requests_in_flight_follow_littles_law_and_saturate():
+    """c = rate x T(c), T(c) = A + B c seconds (TTFT plus the other tokens' ITL), plus the
+    processor-sharing queue's u / (1 - u): checked against the fixed point directly."""
+    model = capacity()
+    a = (model.ttft.intercept + (TOKENS - 1) * model.itl.intercept) / 1000
+    b = (model.ttft.slope + (TOKENS - 1) * model.itl.slope) / 1000
+    for rate in (0.5, 2.0, 5.0):
+        c, u = in_flight(model, rate, TOKENS), rate * b
+        assert c - u / (1 - u) == pytest.approx(rate * (a + b * (c - u / (1 - u))))
+    assert in_flight(model, UTILISATION_LIMIT / b * 1.01, TOKENS) is None  # past the utilisation limit
+    fewer_replicas = [in_flight(model, rate, TOKENS) for rate in (1.0, 2.0, 4.0)]
+    assert fewer_replicas == sorted(fewer_replicas)  # more load per replica: more in flight, superlinearly
+    assert fewer_replicas[2] > 4 * fewer_replicas[0]
+
+
+def test_demand_is_the_finished_requests_and_their_tokens_over_every_revision():
+    windows = [Window("a", 30, 2, generated_tokens=6000, finished_requests=60),
+               Window("b", 30, 1, generated_tokens=3000, finished_requests=30)]
+    demand, missing = demand_of(windows)
+    assert missing is None and demand == Demand(3.0, 100.0)
+    assert demand_of([windows[0], Window.no_data(Target(None, "s", "b", 1), 30, "prometheus outage")]) == (
+        None, "b: prometheus outage")
+    assert demand_of([Window("a", 30, 2, generated_tokens=500, finished_requests=0)])[0] is None  # nothing finished
 
 
 def test_without_spread_the_model_assumes_fixed_throughput():
@@ -43,14 +76,21 @@ def test_latency_never_falls_with_load_in_the_model():
     assert model.itl.slope == 0.0
 
 
+def predicted_itl(model, demand: float, count: int) -> float | None:
+    load = in_flight(model, demand * HEADROOM / count, TOKENS)
+    return None if load is None else model.p99_inter_token_latency_ms(load)
+
+
 def test_the_smallest_count_that_meets_the_slo_is_chosen():
     bounds = Limits(low=1, high=20, budget_cap=None, replica_hourly_usd=2.0)
-    decision = decide(3, 12.0, [capacity()], SLO, bounds, NO_WAIT, [], T0)
+    decision = decide(3, rps(12.0), [capacity()], SLO, bounds, NO_WAIT, [], T0)
     model = capacity()
     n = decision.replicas
-    assert model.p99_inter_token_latency_ms(12.0 * HEADROOM / n) <= 40
-    assert model.p99_inter_token_latency_ms(12.0 * HEADROOM / (n - 1)) > 40  # one fewer would break the SLO
+    assert n > 1 and predicted_itl(model, 12.0, n) <= 40
+    before = predicted_itl(model, 12.0, n - 1)
+    assert before is None or before > 40  # one fewer would break the SLO (or saturate)
     assert decision.recommended == n and "within the SLO" in decision.reason
+    assert "12.00 req/s x 100 tokens" in decision.reason
 
 
 def test_the_budget_is_a_wall_and_says_so():
@@ -60,7 +100,7 @@ def test_the_budget_is_a_wall_and_says_so():
         "tenant": "t", "accelerator": {"pricePerHourUSD": 3.0}, "limits": {"maxReplicas": 20, "maxHourlyCostUSD": 15}})
     bounds = limits(spec, profile, canary=False)
     assert (bounds.low, bounds.high, bounds.budget_cap) == (1, 5, 5)
-    decision = decide(5, 40.0, [capacity()], SLO, bounds, NO_WAIT, [], T0)
+    decision = decide(5, rps(60.0), [capacity()], SLO, bounds, NO_WAIT, [], T0)
     assert decision.replicas == 5 and decision.budget_limited
     assert "maxHourlyCostUSD pays for 5 replicas ($15.00/h)" in decision.reason
     assert limits(spec, profile, canary=True).low == 2  # one replica of each revision during a canary
@@ -77,11 +117,11 @@ def test_scale_up_waits_for_the_stabilisation_window_and_steps_are_bounded():
     bounds = Limits(1, 100, None, 1.0)
     windows = api.Autoscaling(enabled=True, scaleUpStabilizationSeconds=60, scaleDownStabilizationSeconds=300)
     history = []
-    low = decide(2, 2.0, [capacity()], SLO, bounds, windows, history, T0)
+    low = decide(2, rps(2.0), [capacity()], SLO, bounds, windows, history, T0)
     history = low.recommendations
-    spike = decide(2, 40.0, [capacity()], SLO, bounds, windows, history, T0 + datetime.timedelta(seconds=15))
-    assert spike.recommended > 2 and spike.replicas == 2  # the low recommendation is still in the 60 s window
-    later = decide(2, 40.0, [capacity()], SLO, bounds, windows, spike.recommendations, T0 + datetime.timedelta(seconds=90))
+    spike = decide(2, rps(60.0), [capacity()], SLO, bounds, windows, history, T0 + datetime.timedelta(seconds=15))
+    assert spike.recommended > 6 and spike.replicas == 2  # the low recommendation is still in the 60 s window
+    later = decide(2, rps(60.0), [capacity()], SLO, bounds, windows, spike.recommendations, T0 + datetime.timedelta(seconds=90))
     assert later.replicas == min(later.recommended, max_step_up(2)) == 6  # at most double, or +4
     assert max_step_down(10) == 5 and max_step_down(1) == 0
 
@@ -89,11 +129,11 @@ def test_scale_up_waits_for_the_stabilisation_window_and_steps_are_bounded():
 def test_scale_down_waits_for_its_window():
     bounds = Limits(1, 100, None, 1.0)
     windows = api.Autoscaling(enabled=True, scaleUpStabilizationSeconds=0, scaleDownStabilizationSeconds=300)
-    busy = decide(10, 30.0, [capacity()], SLO, bounds, windows, [], T0)
-    quiet = decide(busy.replicas, 1.0, [capacity()], SLO, bounds, windows, busy.recommendations,
+    busy = decide(10, rps(40.0), [capacity()], SLO, bounds, windows, [], T0)
+    quiet = decide(busy.replicas, rps(1.0), [capacity()], SLO, bounds, windows, busy.recommendations,
                    T0 + datetime.timedelta(seconds=120))
     assert quiet.recommended < busy.replicas and quiet.replicas == busy.replicas
-    after = decide(busy.replicas, 1.0, [capacity()], SLO, bounds, windows, quiet.recommendations,
+    after = decide(busy.replicas, rps(1.0), [capacity()], SLO, bounds, windows, quiet.recommendations,
                    T0 + datetime.timedelta(seconds=420))
     assert after.replicas < busy.replicas
 
@@ -105,7 +145,7 @@ def test_noisy_measurements_at_steady_demand_do_not_flap():
     windows = api.Autoscaling(enabled=True)  # defaults: 60 s up, 300 s down
     current, history, counts = 4, [], []
     for second in range(0, 1800, 15):
-        demand = 20.0 * rng.uniform(0.9, 1.1)
+        demand = rps(30.0 * rng.uniform(0.9, 1.1))
         decision = decide(current, demand, [capacity()], SLO, bounds, windows, history, T0 + datetime.timedelta(seconds=second))
         current, history = decision.replicas, decision.recommendations
         counts.append(current)
@@ -124,14 +164,16 @@ def test_tick_carries_everything_in_status():
                                   {"concurrency": 8, "tokensPerSecondPerRequest": 50, "ttftMs": 200}])}
     status = api.AutoscalingStatus()
     for index in range(OBSERVATIONS + 5):
-        window = Window("abc", 30, 2, in_flight_per_replica=3.0, p99_inter_token_latency_ms=15.0, p99_time_to_first_token_ms=80.0)
-        status, decision = tick(status, [window], prior, spec, profile, profile.slo, 2, False,
+        window = Window("abc", 30, 2, in_flight_per_replica=3.0, p99_inter_token_latency_ms=15.0,
+                        p99_time_to_first_token_ms=80.0, generated_tokens=9000, finished_requests=60)
+        status, decision = tick(status, [window], ["abc"], prior, spec, profile, profile.slo, 2, False,
                                 T0 + datetime.timedelta(seconds=30 * index))
         status = api.AutoscalingStatus.model_validate(status.model_dump(by_alias=True, mode="json"))  # as status stores it
     assert len(status.observations) == OBSERVATIONS  # bounded
-    assert status.desired_replicas == decision.replicas and status.demand == 6.0
+    assert status.desired_replicas == decision.replicas
+    assert (status.demand_requests_per_second, status.demand_tokens_per_request) == (2.0, 150.0)
     missing = Window("abc", 30, 2, missing="prometheus outage")
-    held, no_data = tick(status, [missing], prior, spec, profile, profile.slo, 3, False, T0 + datetime.timedelta(hours=1))
+    held, no_data = tick(status, [missing], ["abc"], prior, spec, profile, profile.slo, 3, False, T0 + datetime.timedelta(hours=1))
     assert no_data.replicas == 3 and "prometheus outage" in no_data.reason
     assert len(held.observations) == OBSERVATIONS  # nothing recorded from a window without data
 
@@ -147,22 +189,21 @@ bounds_ = st.tuples(st.integers(1, 10), st.integers(1, 60), st.one_of(st.none(),
 @settings(max_examples=300, deadline=None)
 @given(demand=demands, slope=slopes, bounds=bounds_, current=st.integers(0, 80))
 def test_decisions_stay_within_bounds_and_the_budget(demand, slope, bounds, current):
-    model = fit([], [Point(c, slope * c) for c in (1, 4)])
-    decision = decide(current, demand, [model], SLO, bounds, NO_WAIT, [], T0)
+    model = fit([], [Point(c, 5 + slope * c) for c in (1, 4)])
+    decision = decide(current, rps(demand), [model], SLO, bounds, NO_WAIT, [], T0)
     assert bounds.low <= decision.replicas <= bounds.high
     if bounds.budget_cap is not None:
         assert decision.replicas <= bounds.budget_cap
     if decision.recommended is not None and not decision.budget_limited and "above the SLO" not in decision.reason:
-        n = decision.recommended
-        assert model.p99_inter_token_latency_ms(demand * HEADROOM / n) <= SLO.p99_inter_token_latency_ms
+        assert predicted_itl(model, demand, decision.recommended) <= SLO.p99_inter_token_latency_ms
 
 
 @settings(max_examples=300, deadline=None)
 @given(low=demands, high=demands, slope=slopes)
 def test_more_demand_never_recommends_fewer_replicas(low, high, slope):
     low, high = min(low, high), max(low, high)
-    model = fit([], [Point(c, slope * c) for c in (1, 4)])
+    model = fit([], [Point(c, 5 + slope * c) for c in (1, 4)])
     bounds = Limits(1, 200, None, 1.0)
-    fewer = decide(1, low, [model], SLO, bounds, NO_WAIT, [], T0).recommended
-    more = decide(1, high, [model], SLO, bounds, NO_WAIT, [], T0).recommended
+    fewer = decide(1, rps(low), [model], SLO, bounds, NO_WAIT, [], T0).recommended
+    more = decide(1, rps(high), [model], SLO, bounds, NO_WAIT, [], T0).recommended
     assert more >= fewer

@@ -197,6 +197,25 @@ def test_replica_ratio_mode_has_no_route_and_splits_replicas(example_documents):
     assert "ownerReferences" not in objects[0]["metadata"]  # no uid yet (render from a file)
 
 
+def test_the_stable_keeps_the_pods_a_starting_canary_will_replace_within_the_budget(example_documents):
+    serving, profile, _ = parsed(example_documents)
+    spec = serving.spec.model_copy(update={"traffic": serving.spec.traffic.model_copy(update={"mode": "ReplicaRatio", "gateway": None}),
+                                           "replicas": serving.spec.replicas.model_copy(update={"min": 4, "max": 8})})
+    serving = serving.__class__(serving.name, serving.namespace, None, spec)
+
+    def replicas(ready, profile=profile):
+        objects = render_all(serving, profile, traffic=Traffic("Canary", 50, canary_ready=ready))
+        return [d["spec"]["replicas"] for d in of_kind(objects, "Deployment")]
+
+    assert replicas(None) == [2, 2]  # readiness unknown: the plain split
+    assert replicas(0) == [4, 2]  # no canary pod ready: the stable keeps all four
+    assert replicas(1) == [3, 2]
+    assert replicas(2) == [2, 2]  # both ready: the split
+    limits = profile.spec.limits.model_copy(update={"max_hourly_cost_usd": 12.5})  # 5 x $2.49 fits, 6 does not
+    capped = profile.__class__(profile.name, profile.spec.model_copy(update={"limits": limits}))
+    assert replicas(0, capped) == [3, 2]  # the surge never passes the budget
+
+
 def test_hourly_budget_caps_replicas(example_documents):
     serving, profile, _ = parsed(example_documents)
     spec = serving.spec.model_copy(update={"replicas": serving.spec.replicas.model_copy(update={"min": 6, "max": 6})})

@@ -88,7 +88,19 @@ def test_inconclusive_holds_the_step_and_raises_a_condition():
         assert decision.stage == "Canary" and decision.canary.step == 0  # never advances, never promotes
         assert decision.conditions["AnalysisInconclusive"][0] is (index >= INCONCLUSIVE_LIMIT)
     assert decision.canary.inconclusive_checks == INCONCLUSIVE_LIMIT + 1
-    assert run.step("Pass", seconds=60).canary.step == 1  # held 120 s+ already: the first Pass advances
+    # Held 120 s+ already, but time without evidence completes nothing: step 0 needs 2 passes in a row.
+    assert run.step("Pass", seconds=60).canary.step == 0
+    assert run.step("Pass", seconds=60).canary.step == 1
+
+
+def test_a_step_needs_one_pass_per_interval_in_a_row():
+    run = Run()
+    run.step()
+    assert run.step("Pass", seconds=60).canary.passed_checks == 1
+    assert run.step("Fail", seconds=60).canary.passed_checks == 0  # 120 s held, but not all passed
+    assert run.step("Pass", seconds=60).canary.step == 0
+    advanced = run.step("Pass", seconds=60)
+    assert advanced.canary.step == 1 and advanced.canary.passed_checks == 0  # the next step counts afresh
 
 
 def test_abort_annotation_aborts_at_once_and_is_consumed():
@@ -112,7 +124,8 @@ def test_retry_annotation_restarts_an_aborted_candidate_at_step_zero():
 def test_a_changed_candidate_starts_over():
     run = Run()
     run.step()
-    run.step("Pass", seconds=120)
+    run.step("Pass", seconds=60)
+    run.step("Pass", seconds=60)
     assert run.canary.step == 1
     restarted = run.step("Pass", seconds=60, candidate="d")
     assert restarted.canary.revision == "d" and restarted.canary.step == 0 and restarted.canary.history == []
@@ -122,7 +135,8 @@ def test_a_changed_candidate_starts_over():
 def test_without_auto_promote_the_last_step_waits_for_the_annotation():
     run = Run(ROLLOUT.model_copy(update={"auto_promote": False}))
     run.step()
-    run.step("Pass", seconds=120)
+    run.step("Pass", seconds=60)
+    run.step("Pass", seconds=60)
     waiting = run.step("Pass", seconds=60)
     assert waiting.stage == "Canary" and waiting.canary.state == "AwaitingPromotion"
     assert run.step("Pass", seconds=60).stage == "Canary"  # still analysing, still waiting

@@ -129,7 +129,8 @@ async def test_passing_analyses_walk_the_steps_and_promote_without_restarting_po
     assert await eventually(lambda: [deployment(operator, r)["spec"]["replicas"] for r in (stable, canary)] == [2, 2])
     assert await eventually(lambda: events(operator, "StepAdvanced"))
 
-    clock.advance(30)
+    clock.advance(30)  # step 1 needs one passing analysis per interval: two
+    assert await eventually(lambda: canary_field(operator, "passedChecks") == 1)
     clock.advance(30)
     assert await eventually(lambda: status_of(operator).get("phase") == "Promoting")
     promoted = deployment(operator, canary)
@@ -231,8 +232,11 @@ async def test_a_prometheus_outage_holds_the_step_and_says_so(operator, serving,
     assert status["phase"] == "Progressing" and canary_field(operator, "step") == 0  # held, never promoted
     assert await eventually(lambda: events(operator, "MeasurementFailed"))
     source.outage = False
+    clock.advance(30)  # the outage lost no step, and its time completed nothing: two passes still needed
+    assert await eventually(lambda: canary_field(operator, "passedChecks") == 1)
+    assert canary_field(operator, "step") == 0
     clock.advance(30)
-    assert await eventually(lambda: canary_field(operator, "step") == 1)  # the outage lost no step
+    assert await eventually(lambda: canary_field(operator, "step") == 1)
     conditions = {c["type"]: c for c in status_of(operator)["conditions"]}
     assert conditions["MetricsAvailable"]["status"] == "True" and conditions["AnalysisInconclusive"]["status"] == "False"
 
@@ -247,24 +251,28 @@ async def test_the_autoscaler_sizes_the_serving_from_measurements(operator, serv
     await create(operator, profile)
     await create(operator, with_uid(serving))
     name = (await eventually(lambda: live(operator, DEPLOYMENTS)))[0]
-    await set_ready(operator, name, 2)  # replicas.min is 1; 2 ready pods measure 8 requests in flight in all
-    # 4 requests in flight per replica at 40 ms, one window (so latency is taken as proportional to load,
-    # with a 38% margin): 3 replicas would predict 44 ms, 4 predict 33 ms
-    source.by_revision[name.removeprefix("qwen3-8b-")] = {**STABLE, "in_flight_per_replica": 4.0, "p99_inter_token_latency_ms": 40.0}
+    await set_ready(operator, name, 2)  # replicas.min is 1; 2 ready pods
+    # One window: 40 requests finished in 30 s (1.33/s, 225 tokens each), 4 in flight per replica at
+    # p99 ITL 20 ms, TTFT 150 ms. One window has no spread in load, so the model takes throughput as
+    # fixed: T(c) = (37.5 + 224 x 5) ms x c per request. With 20% headroom a replica of n gets 1.6/n
+    # requests/s: utilisation 1.85/n, past the 0.85 limit at n <= 2; at n = 3, c = u/(1-u) = 1.61 in
+    # flight, p99 ITL 5 ms x 1.61 x (1 + 0.38 margin) = 11.2 ms, within the 40 ms SLO.
+    source.by_revision[name.removeprefix("qwen3-8b-")] = {**STABLE, "in_flight_per_replica": 4.0, "p99_inter_token_latency_ms": 20.0}
     clock.advance(30)
-    assert await eventually(lambda: (status_of(operator).get("autoscaling") or {}).get("desiredReplicas") == 4)
-    assert await eventually(lambda: deployment(operator, name.removeprefix("qwen3-8b-"))["spec"]["replicas"] == 4)
+    assert await eventually(lambda: (status_of(operator).get("autoscaling") or {}).get("desiredReplicas") == 3)
+    assert await eventually(lambda: deployment(operator, name.removeprefix("qwen3-8b-"))["spec"]["replicas"] == 3)
     scaling = status_of(operator)["autoscaling"]
-    assert scaling["demand"] == 8.0 and "4 replicas predict p99 ITL 33.2ms" in scaling["reason"]
+    assert scaling["demandRequestsPerSecond"] == pytest.approx(40 / 30) and scaling["demandTokensPerRequest"] == 225
+    assert "demand 1.33 req/s x 225 tokens (x1.2 headroom): 3 replicas predict p99 ITL 11.2ms" in scaling["reason"]
     assert status_of(operator)["metrics"]["tokensPerSecond"] == 200.0
-    assert await eventually(lambda: any("1 -> 4 replicas" in m for m in events(operator, "Scaled")))
+    assert await eventually(lambda: any("1 -> 3 replicas" in m for m in events(operator, "Scaled")))
 
     source.outage = True
     clock.advance(30)
     assert await eventually(lambda: "no data" in (status_of(operator).get("autoscaling") or {}).get("reason", ""))
     conditions = {c["type"]: c for c in status_of(operator)["conditions"]}
     assert conditions["ScalingActive"]["status"] == "False"
-    assert deployment(operator, name.removeprefix("qwen3-8b-"))["spec"]["replicas"] == 4  # held, not scaled to zero or max
+    assert deployment(operator, name.removeprefix("qwen3-8b-"))["spec"]["replicas"] == 3  # held, not scaled to zero or max
 
 
 async def test_gateway_api_weights_follow_the_steps(operator, serving, profile, source, clock):
@@ -276,9 +284,11 @@ async def test_gateway_api_weights_follow_the_steps(operator, serving, profile, 
 
     assert await eventually(lambda: weights() == [("qwen3-8b-stable", 75), ("qwen3-8b-canary", 25)])
     clock.advance(30)
+    assert await eventually(lambda: canary_field(operator, "passedChecks") == 1)
     clock.advance(30)
     assert await eventually(lambda: weights() == [("qwen3-8b-stable", 50), ("qwen3-8b-canary", 50)])
     clock.advance(30)
+    assert await eventually(lambda: (canary_field(operator, "step"), canary_field(operator, "passedChecks")) == (1, 1))
     clock.advance(30)
     assert await eventually(lambda: weights() == [("qwen3-8b-stable", 100)])
 

@@ -1,0 +1,214 @@
+"""The scenario file of `specserve simulate`: typed models and loading (docs/simulator.md is the contract).
+
+Every model forbids unknown keys, so a misspelt key is an error naming its path. `profile` and
+`serving` are validated by the CRD's own models (api.py), and the serving is checked against the
+profile as the operator checks it (validate.check_against_profile), so a scenario the operator
+would mark Invalid is refused before anything is simulated.
+"""
+
+from itertools import pairwise
+from pathlib import Path
+from typing import Literal, get_args
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+from . import api
+from .autoscale import prior_points
+from .capacity import Point
+from .render import Profile, Serving
+from .validate import InputProblems, check_against_profile, pydantic_problems
+
+
+class ScenarioError(InputProblems):
+    """A scenario (or a capacity prior file) that cannot be used."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=False, extra="forbid")
+
+
+class RatePoint(Strict):
+    at_seconds: float = Field(ge=0)
+    requests_per_second: float = Field(ge=0)
+
+
+class Tokens(Strict):
+    """Tokens per request: a normal distribution truncated at 1 (a plain number: stddev 0)."""
+
+    mean: float = Field(ge=1)
+    stddev: float = Field(0.0, ge=0)
+
+
+class Load(Strict):
+    requests_per_second: list[RatePoint] = Field(min_length=1)
+    prompt_tokens: Tokens
+    output_tokens: Tokens
+
+    @field_validator("prompt_tokens", "output_tokens", mode="before")
+    @classmethod
+    def _number(cls, value):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return {"mean": value, "stddev": 0}
+        return value
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        points = self.requests_per_second
+        for index in range(1, len(points)):
+            if points[index].at_seconds <= points[index - 1].at_seconds:
+                raise ValueError(f"requestsPerSecond[{index}].atSeconds: {points[index].at_seconds:g} must be greater "
+                                 f"than the previous point's ({points[index - 1].at_seconds:g})")
+        return self
+
+    def rate(self, t: float) -> float:
+        """Requests per second at time t: linear between the points, held before the first and after the last."""
+        points = self.requests_per_second
+        if t <= points[0].at_seconds:
+            return points[0].requests_per_second
+        for before, after in pairwise(points):
+            if t < after.at_seconds:
+                share = (t - before.at_seconds) / (after.at_seconds - before.at_seconds)
+                return before.requests_per_second + share * (after.requests_per_second - before.requests_per_second)
+        return points[-1].requests_per_second
+
+    def peak(self, duration: float) -> float:
+        """The highest rate within [0, duration] (piecewise linear: at a point or at an end)."""
+        times = [0.0, duration] + [p.at_seconds for p in self.requests_per_second if p.at_seconds <= duration]
+        return max(self.rate(t) for t in times)
+
+
+class CurvePoint(Strict):
+    concurrency: float = Field(gt=0)
+    tokens_per_second_per_request: float = Field(gt=0)
+    ttft_ms: float = Field(ge=0)
+
+
+class MethodPerformance(Strict):
+    acceptance_length: float = Field(1.0, ge=1)
+    error_rate: float = Field(0.0, ge=0, le=1)
+    curve: list[CurvePoint] = Field(min_length=1)
+    max_concurrency: int | None = Field(None, ge=1, description="the engine's batch: more requests wait (default: "
+                                                                "the curve's highest concurrency)")
+
+    @model_validator(mode="after")
+    def _sorted(self):
+        for index in range(1, len(self.curve)):
+            if self.curve[index].concurrency <= self.curve[index - 1].concurrency:
+                raise ValueError(f"curve[{index}].concurrency: {self.curve[index].concurrency:g} must be greater than "
+                                 f"the previous row's ({self.curve[index - 1].concurrency:g})")
+        return self
+
+
+METHODS = get_args(api.Method)
+
+
+class Performance(Strict):
+    none: MethodPerformance | None = None
+    ngram: MethodPerformance | None = None
+    eagle3: MethodPerformance | None = None
+    dflash: MethodPerformance | None = None
+
+
+def capacity_priors(performance: Performance) -> dict[str, list[Point]]:
+    """The autoscaler's capacity prior per method (render.Settings.capacity_priors) from performance tables."""
+    return {method: prior_points([row.model_dump(by_alias=True) for row in table.curve])
+            for method in METHODS if (table := getattr(performance, method)) is not None}
+
+
+def load_capacity_priors(path: Path) -> dict[str, list[Point]]:
+    """The operator's SPECSERVE_CAPACITY_PRIORS: a YAML `performance` block, as in a scenario.
+    A file that cannot be used is an error naming it and the problem (the operator does not start)."""
+    try:
+        performance = Performance.model_validate(yaml.safe_load(path.read_text()))
+    except (OSError, yaml.YAMLError) as exc:
+        raise ScenarioError([f"{path}: cannot read ({' '.join(str(exc).split())})"]) from exc
+    except ValidationError as exc:
+        raise ScenarioError([f"{path}: {p.removeprefix('.')}" for p in pydantic_problems("", exc)]) from exc
+    return capacity_priors(performance)
+
+
+FaultKind = Literal["prometheusOutage", "operatorRestart", "nodeLoss"]
+
+
+class Fault(Strict):
+    at_seconds: float = Field(ge=0)
+    kind: FaultKind
+    duration_seconds: float = Field(0.0, ge=0)
+
+    def active(self, t: float) -> bool:
+        return self.at_seconds <= t < self.at_seconds + self.duration_seconds
+
+
+class Scenario(Strict):
+    duration_seconds: float = Field(gt=0)
+    seed: int = 0
+    tick_seconds: float = Field(15.0, gt=0)
+    startup_seconds: float = Field(120.0, ge=0)
+    profile: api.ServingProfileSpec
+    serving: api.SpeculativeServingSpec
+    load: Load
+    performance: Performance
+    faults: list[Fault] = []
+    routing: Literal["random", "leastLoaded"] = "random"
+
+    def methods_in_use(self) -> list[tuple[str, str]]:
+        """(field path, method) of the serving's speculator and its rollout candidate's."""
+        used = [("serving.speculator.method", self.serving.speculator.method)]
+        if self.serving.rollout is not None:
+            candidate = self.serving.rollout.candidate.speculator.method
+            used.append(("serving.rollout.candidate.speculator.method", candidate))
+        return used
+
+    def performance_of(self, method: str) -> MethodPerformance:
+        return getattr(self.performance, method)
+
+
+def problems(document: object) -> tuple[Scenario | None, list[str]]:
+    """The validated scenario, or every problem as 'path: message'."""
+    if not isinstance(document, dict):
+        return None, [f"(top level): expected a mapping of keys, got {type(document).__name__}"]
+    try:
+        scenario = Scenario.model_validate(document)
+    except ValidationError as exc:
+        return None, [p.removeprefix(".") for p in pydantic_problems("", exc)]
+    found = []
+    for path, method in scenario.methods_in_use():
+        if scenario.performance_of(method) is None:
+            found.append(f"performance.{method}: required: {path} is {method}, and the simulator needs its "
+                         f"acceptanceLength, errorRate and curve")
+    # As the operator would check it against its profile (the namespace is the simulator's own).
+    anywhere = scenario.profile.model_copy(update={"namespace_selector": api.LabelSelector()})
+    profile = Profile(scenario.serving.profile, anywhere)
+    for problem in check_against_profile(Serving("simulated", "default", None, scenario.serving), profile, {}):
+        found.append("serving." + problem.removeprefix("spec.") if problem.startswith("spec.") else problem)
+    return (None, found) if found else (scenario, [])
+
+
+def load(path: Path) -> Scenario:
+    """Read and validate a scenario file; ScenarioError names the file and every problem."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ScenarioError([f"{path}: cannot read ({exc.strerror or exc})"]) from exc
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ScenarioError([f"{path}: invalid YAML ({' '.join(str(exc).split())})"]) from exc
+    scenario, found = problems(document)
+    if found:
+        raise ScenarioError([f"{path}: {problem}" for problem in found])
+    return scenario
+
+
+def truncated_normal(rng, tokens: Tokens) -> int:
+    """One draw, rounded to whole tokens, redrawn until >= 1 (a normal truncated at 1)."""
+    if tokens.stddev == 0:
+        return max(1, round(tokens.mean))
+    for _ in range(100):
+        value = round(rng.gauss(tokens.mean, tokens.stddev))
+        if value >= 1:
+            return value
+    return 1
+

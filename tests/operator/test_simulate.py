@@ -1,0 +1,344 @@
+"""`specserve simulate`: the shipped scenarios end to end, bad input, determinism, faults, the fleet model."""
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from specserve_operator import rollout, simulate
+from specserve_operator import scenario as scenario_module
+from specserve_operator.render import replica_budget, revision_hash
+from specserve_runtime.cli import main
+
+SCENARIOS = Path(__file__).resolve().parents[2] / "docs" / "scenarios"
+SHIPPED = sorted(path.stem for path in SCENARIOS.glob("*.yaml"))
+SUMMARY_KEYS = {"sloAttainment", "costUSD", "tokensPerDollar", "maxHourlyCostUSD", "budgetLimitedSeconds",
+                "generatedTokens", "failedRequests"}
+_results: dict[str, dict] = {}
+
+
+def run(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["simulate", *argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+def result_of(name: str) -> dict:
+    """The JSON of a shipped scenario at its own seed (each simulated once per test session)."""
+    if name not in _results:
+        code, out, err = run("--scenario", str(SCENARIOS / f"{name}.yaml"))
+        assert code == 0, err
+        _results[name] = json.loads(out.strip().splitlines()[-1])
+    return _results[name]
+
+
+def document(name: str) -> dict:
+    return yaml.safe_load((SCENARIOS / f"{name}.yaml").read_text())
+
+
+def write(tmp_path: Path, doc: dict, name: str = "scenario.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def json_of(path: Path, *extra: str) -> dict:
+    code, out, err = run("--scenario", str(path), "--json", *extra)
+    assert code == 0, err
+    return json.loads(out)
+
+
+# ---- the shipped scenarios ---------------------------------------------------------------------
+
+
+def test_the_five_scenarios_are_shipped():
+    assert set(SHIPPED) >= {"diurnal-dflash", "dflash-loses-at-high-concurrency", "prometheus-outage-mid-step",
+                            "operator-restart-mid-step", "budget-cap-spike"}
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_never_above_the_budget_and_every_run_reports_the_same_keys(name):
+    result = result_of(name)
+    budget = document(name)["profile"]["limits"]["maxHourlyCostUSD"]
+    assert SUMMARY_KEYS | {"decision", "decisionAtSeconds", "seed", "baselines"} == set(result)
+    assert set(result["baselines"]) == {"staticPeak", "inFlight", "hpaRequestRate"}
+    for summary in [result, *result["baselines"].values()]:
+        assert SUMMARY_KEYS <= set(summary)
+        assert 0 < summary["maxHourlyCostUSD"] <= budget
+        assert 0 <= summary["sloAttainment"] <= 1
+        assert summary["costUSD"] > 0
+    # the same requests for every run: all of them generate (almost) the same tokens
+    tokens = [s["generatedTokens"] for s in [result, *result["baselines"].values()]]
+    assert max(tokens) - min(tokens) <= 0.35 * max(tokens)
+
+
+def test_diurnal_promotes_and_costs_less_than_provisioning_for_the_peak():
+    result = result_of("diurnal-dflash")
+    assert result["decision"] == "Promoted"
+    assert result["costUSD"] < result["baselines"]["staticPeak"]["costUSD"]
+    assert result["sloAttainment"] >= 0.95
+    assert result["tokensPerDollar"] > result["baselines"]["staticPeak"]["tokensPerDollar"]
+
+
+def test_a_candidate_slower_at_high_concurrency_is_aborted():
+    result = result_of("dflash-loses-at-high-concurrency")
+    assert result["decision"] == "Aborted"
+    assert result["decisionAtSeconds"] is not None
+
+
+@pytest.mark.parametrize("name", ["prometheus-outage-mid-step", "operator-restart-mid-step"])
+def test_nothing_is_promoted_during_the_fault_and_no_step_is_lost(name):
+    result = result_of(name)
+    (fault,) = document(name)["faults"]
+    assert result["decision"] == "Promoted"  # the rollout still completes
+    assert result["decisionAtSeconds"] >= fault["atSeconds"] + fault["durationSeconds"]
+
+
+def test_prometheus_outage_makes_the_analysis_inconclusive_until_it_ends(monkeypatch):
+    """The operator's own outage path runs: every analysis in the outage is Inconclusive, the
+    condition MetricsAvailable is False and a MeasurementFailed Event is emitted."""
+    scenario = scenario_module.Scenario.model_validate(document("prometheus-outage-mid-step"))
+    seen = []
+    original = simulate.Operator.tick
+
+    def spy(self, now_s, outage):
+        record, events = original(self, now_s, outage)
+        status = self.cluster.status()
+        last = (status.get("canary") or {}).get("lastAnalysis")
+        if last is not None and last["at"] == rollout.timestamp(simulate.at(now_s)):
+            metrics = next(c for c in status["conditions"] if c["type"] == "MetricsAvailable")
+            seen.append((now_s, last["verdict"], " ".join(last["reasons"]), metrics["status"],
+                         {e.reason for e in events}))
+        return record, events
+
+    monkeypatch.setattr(simulate.Operator, "tick", spy)
+    simulate.simulate(scenario, simulate.arrivals(scenario, scenario.seed), scenario.seed)
+    fault = scenario.faults[0]
+    during = [entry for entry in seen if fault.active(entry[0])]
+    assert len(during) == fault.duration_seconds // 60  # one analysis per intervalSeconds
+    for _, verdict, why, metrics_available, reasons in during:
+        assert verdict == "Inconclusive" and "Prometheus unreachable" in why
+        assert metrics_available == "False" and "MeasurementFailed" in reasons
+    before = [entry for entry in seen if entry[0] < fault.at_seconds]
+    assert before and all(entry[3] == "True" for entry in before)
+
+
+def test_the_budget_binds_during_the_spike():
+    result = result_of("budget-cap-spike")
+    assert result["maxHourlyCostUSD"] <= document("budget-cap-spike")["profile"]["limits"]["maxHourlyCostUSD"]
+    assert result["budgetLimitedSeconds"] > 0
+    assert result["decision"] is None and result["decisionAtSeconds"] is None
+
+
+# ---- determinism and flags ------------------------------------------------------------------
+
+
+def test_the_same_seed_gives_the_same_json_and_seed_overrides_it(tmp_path):
+    path = SCENARIOS / "prometheus-outage-mid-step.yaml"
+    first, second = json_of(path), json_of(path)
+    assert first == second
+    other = json_of(path, "--seed", "99")
+    assert other["seed"] == 99 and other != first
+    assert json_of(path, "--seed", str(first["seed"])) == first
+
+
+def test_the_last_stdout_line_is_the_json_and_a_table_goes_to_stderr():
+    code, out, err = run("--scenario", str(SCENARIOS / "operator-restart-mid-step.yaml"))
+    assert code == 0
+    lines = out.strip().splitlines()
+    assert len(lines) > 1 and json.loads(lines[-1])["decision"] == "Promoted"
+    assert "p99 ITL" in err and "Progressing" in err and "Promoting" in err and "Serving" in err
+    assert sum(1 for line in err.splitlines() if line.strip()[:1].isdigit()) == 20  # one row per simulated minute
+
+
+def test_plot_writes_a_png(tmp_path):
+    png = tmp_path / "fleet.png"
+    code, _, err = run("--scenario", str(SCENARIOS / "operator-restart-mid-step.yaml"), "--json", "--plot", str(png))
+    assert code == 0, err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- faults -------------------------------------------------------------------------------------
+
+
+def test_an_operator_restart_resumes_the_step_from_status(monkeypatch):
+    """Down for 300 s mid-step: nothing reconciles meanwhile; back, the operator (which keeps no state
+    but the serving's status) resumes the same step, with its start time, and finishes the rollout:
+    no step replayed, none skipped."""
+    scenario = scenario_module.Scenario.model_validate(document("operator-restart-mid-step"))
+    (fault,) = scenario.faults
+    seen = []  # (t, step, stepStartedAt)
+    original = simulate.Operator.tick
+
+    def spy(self, now_s, outage):
+        record, events = original(self, now_s, outage)
+        canary = self.cluster.status().get("canary")
+        if canary is not None:
+            seen.append((now_s, canary["step"], canary["stepStartedAt"]))
+        return record, events
+
+    monkeypatch.setattr(simulate.Operator, "tick", spy)
+    run_ = simulate.simulate(scenario, simulate.arrivals(scenario, scenario.seed), scenario.seed)
+    assert not [t for t, _, _ in seen if fault.active(t)]
+    steps = [step for _, step, _ in seen]
+    assert steps == sorted(steps) and set(steps) == set(range(len(scenario.serving.rollout.steps)))
+    for step in set(steps):
+        assert len({started for _, s, started in seen if s == step}) == 1  # never restarted
+    before = [step for t, step, _ in seen if t < fault.at_seconds][-1]
+    after = [step for t, step, _ in seen if t >= fault.at_seconds + fault.duration_seconds][0]
+    assert after == before  # the step the operator went down in
+    assert run_.decision == "Promoted" and run_.decision_at > fault.at_seconds + fault.duration_seconds
+
+
+def test_node_loss_fails_the_lost_requests_and_the_replicas_come_back(tmp_path):
+    doc = document("budget-cap-spike")
+    doc["load"]["requestsPerSecond"] = [{"atSeconds": 0, "requestsPerSecond": 8}]
+    doc["serving"]["autoscaling"]["enabled"] = False
+    doc["serving"]["replicas"]["desired"] = 4
+    doc["durationSeconds"] = 600
+    scenario = scenario_module.Scenario.model_validate(doc)
+    requests = simulate.arrivals(scenario, scenario.seed)
+    healthy = simulate.simulate(scenario, requests, scenario.seed)
+    doc["faults"] = [{"atSeconds": 200, "kind": "nodeLoss", "durationSeconds": 30}]
+    scenario = scenario_module.Scenario.model_validate(doc)
+    hurt = simulate.simulate(scenario, requests, scenario.seed)
+    lost = [p for p in hurt.fleet.pods if p.removed == 200]
+    assert len(lost) == 2  # half of 4
+    replacements = [p for p in hurt.fleet.pods if p.created > 0]
+    assert [p.created for p in replacements] == [230.0, 230.0]  # after the node is back, then startupSeconds to ready
+    assert hurt.fleet.failed_requests() > healthy.fleet.failed_requests()
+    assert hurt.fleet.cost_usd() < healthy.fleet.cost_usd()  # 30 s with two replicas fewer billed
+    assert all(sum(r.desired.values()) == 4 for r in hurt.ticks)
+
+
+def test_without_autoscaling_the_replicas_stay_at_the_budgeted_count():
+    doc = document("budget-cap-spike")
+    doc["serving"]["autoscaling"]["enabled"] = False
+    doc["serving"]["replicas"]["desired"] = 3
+    doc["durationSeconds"] = 300
+    scenario = scenario_module.Scenario.model_validate(doc)
+    run_ = simulate.simulate(scenario, simulate.arrivals(scenario, 1), 1)
+    assert replica_budget(scenario.serving, scenario.profile) == 3
+    assert {sum(r.desired.values()) for r in run_.ticks} == {3}
+
+
+# ---- the fleet model ------------------------------------------------------------------------------
+
+
+def test_measured_windows_follow_the_curve_and_littles_law():
+    """One replica, a flat curve (100 tokens/s per request, no prefill), 100-token outputs at 2 requests/s:
+    each request is in the system 0.99 s, so 1.98 in flight; every inter-token latency is 10 ms."""
+    doc = document("budget-cap-spike")
+    doc.update(durationSeconds=1200, startupSeconds=0)
+    doc["serving"]["autoscaling"]["enabled"] = False
+    doc["load"] = {"requestsPerSecond": [{"atSeconds": 0, "requestsPerSecond": 2}],
+                   "promptTokens": 100, "outputTokens": 100}
+    doc["performance"]["eagle3"] = {"acceptanceLength": 2.5, "curve": [
+        {"concurrency": 1, "tokensPerSecondPerRequest": 100, "ttftMs": 0},
+        {"concurrency": 64, "tokensPerSecondPerRequest": 100, "ttftMs": 0}]}
+    scenario = scenario_module.Scenario.model_validate(doc)
+    fleet = simulate.Fleet(scenario, simulate.arrivals(scenario, 3), simulate.revision_models(scenario), 3)
+    revision = revision_hash(scenario.serving.model, scenario.serving.speculator, scenario.serving.runtime)
+    fleet.create(revision, 0.0, ready=True)
+    fleet.desired = {revision: 1}
+    fleet.advance_to(1200)
+    window = fleet.window(revision, 1000, 1200)
+    assert window.missing is None and window.ready_replicas == 1
+    assert window.in_flight_per_replica == pytest.approx(1.98, rel=0.05)
+    assert window.tokens_per_second == pytest.approx(200, rel=0.05)
+    assert window.finished_requests == pytest.approx(2000, rel=0.05)
+    assert window.p99_inter_token_latency_ms == pytest.approx(10, rel=0.2)  # lognormal noise, sigma 0.05
+    assert window.acceptance_length == 2.5
+    assert fleet.window(revision, 60, 1200, missing="prometheus outage").missing == "prometheus outage"
+
+
+def test_a_full_batch_queues_and_the_wait_counts_in_ttft():
+    doc = document("budget-cap-spike")
+    doc.update(durationSeconds=200, startupSeconds=0)
+    doc["load"] = {"requestsPerSecond": [{"atSeconds": 0, "requestsPerSecond": 20}],
+                   "promptTokens": 100, "outputTokens": 100}
+    doc["performance"]["eagle3"] = {"curve": [{"concurrency": 1, "tokensPerSecondPerRequest": 100, "ttftMs": 10}],
+                                    "maxConcurrency": 4}
+    scenario = scenario_module.Scenario.model_validate(doc)
+    fleet = simulate.Fleet(scenario, simulate.arrivals(scenario, 3), simulate.revision_models(scenario), 3)
+    revision = next(iter(fleet.models))
+    fleet.create(revision, 0.0, ready=True)
+    fleet.advance_to(200)
+    window = fleet.window(revision, 100, 200)
+    # 4 at a time, ~1 s each: ~4 requests/s served of 20 offered; the queue grows without bound
+    assert window.finished_requests / 100 == pytest.approx(4, rel=0.1)
+    assert window.p99_time_to_first_token_ms > 10_000
+    assert window.p99_inter_token_latency_ms == pytest.approx(10, rel=0.2)
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+
+
+def bad(tmp_path, change) -> tuple[int, str, str]:
+    doc = document("diurnal-dflash")
+    change(doc)
+    return run("--scenario", str(write(tmp_path, doc)))
+
+
+@pytest.mark.parametrize("change, names", [
+    (lambda d: d["load"].update(requestPerSecond=d["load"].pop("requestsPerSecond")), "load.requestPerSecond"),
+    (lambda d: d["load"]["requestsPerSecond"][1].update(requestsPerSecond=-4),
+     "load.requestsPerSecond[1].requestsPerSecond"),
+    (lambda d: d["performance"].pop("dflash"), "performance.dflash"),
+    (lambda d: d["serving"]["replicas"].update(min=9), "serving.replicas.min"),
+    (lambda d: d["serving"]["rollout"]["candidate"]["speculator"].pop("draftModel"),
+     "serving.rollout.candidate.speculator.draftModel"),
+    (lambda d: d["performance"]["eagle3"].update(acceptance=3), "performance.eagle3.acceptance"),
+    (lambda d: d.update(faults=[{"atSeconds": 5, "kind": "diskFull"}]), "faults[0].kind"),
+    (lambda d: d["profile"]["limits"].update(allowedMethods=["eagle3"]), "serving.rollout.candidate.speculator.method"),
+    (lambda d: d["performance"]["eagle3"]["curve"].reverse(), "performance.eagle3.curve[1].concurrency"),
+])
+def test_bad_scenarios_exit_2_naming_the_field_and_simulate_nothing(tmp_path, change, names):
+    code, out, err = bad(tmp_path, change)
+    assert code == 2
+    assert out == ""
+    assert names in err, err
+    assert all(line.startswith(str(tmp_path / "scenario.yaml")) for line in err.strip().splitlines())
+
+
+def test_unreadable_and_invalid_yaml_name_the_file(tmp_path):
+    missing = tmp_path / "absent.yaml"
+    code, out, err = run("--scenario", str(missing))
+    assert code == 2 and out == "" and str(missing) in err
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("load: [1,\n")
+    code, out, err = run("--scenario", str(broken))
+    assert code == 2 and out == "" and str(broken) in err and "invalid YAML" in err
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- 1\n")
+    code, out, err = run("--scenario", str(listed))
+    assert code == 2 and str(listed) in err
+
+
+def test_seeds_runs_each_seed_and_aggregates():
+    code, out, err = run("--scenario", str(SCENARIOS / "operator-restart-mid-step.yaml"), "--seeds", "2")
+    assert code == 0, err
+    aggregate = json.loads(out.strip().splitlines()[-1])
+    assert aggregate["seeds"] == 2 and aggregate["decisions"] == {"Promoted": 2}
+    assert aggregate["sloAttainment"]["min"] <= aggregate["sloAttainment"]["median"] <= 1
+    assert [line.split()[0] for line in err.strip().splitlines()[1:]] == ["1", "2"]
+    singles = [json_of(SCENARIOS / "operator-restart-mid-step.yaml", "--seed", str(seed)) for seed in (1, 2)]
+    assert aggregate["maxHourlyCostUSD"] == max(s["maxHourlyCostUSD"] for s in singles)
+    assert run("--scenario", str(SCENARIOS / "operator-restart-mid-step.yaml"), "--seeds", "0")[0] == 2
+
+
+def test_the_operators_capacity_prior_file_is_a_performance_block(tmp_path):
+    """SPECSERVE_CAPACITY_PRIORS: the same `performance` block as a scenario's; a bad one names the file and key."""
+    good = write(tmp_path, document("diurnal-dflash")["performance"], "priors.yaml")
+    priors = scenario_module.load_capacity_priors(good)
+    assert set(priors) == {"eagle3", "dflash"}
+    assert priors["dflash"][0] == scenario_module.Point(1, 1000 / 230, 50)  # concurrency, ms per token, TTFT
+    bad = write(tmp_path, {"dflash": {"curve": [{"concurrency": 1, "tokensPerSecond": 5, "ttftMs": 1}]}}, "bad.yaml")
+    with pytest.raises(scenario_module.ScenarioError) as caught:
+        scenario_module.load_capacity_priors(bad)
+    assert str(bad) in str(caught.value) and "dflash.curve[0].tokensPerSecond" in str(caught.value)
+    with pytest.raises(scenario_module.ScenarioError, match="absent.yaml: cannot read"):
+        scenario_module.load_capacity_priors(tmp_path / "absent.yaml")
