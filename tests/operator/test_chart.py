@@ -1,6 +1,8 @@
 """The Helm chart, rendered by Helm's own SDK and validated against Kubernetes 1.30 schemas."""
 
+import json
 import re
+from pathlib import Path
 
 import helm_python
 import kubernetes_validate
@@ -19,7 +21,7 @@ def chart():
 
 def rendered_objects(chart, values):
     files = chart.render(values, name="specserve", namespace="specserve-system", is_install=True)
-    return [doc for text in files.values() for doc in yaml.safe_load_all(text) if doc]
+    return [doc for path, text in files.items() if path.endswith(".yaml") for doc in yaml.safe_load_all(text) if doc]
 
 
 def test_chart_lints_clean():
@@ -123,3 +125,95 @@ def test_pod_monitor_selects_the_runtime_pods_the_operator_renders(chart, exampl
 def test_chart_carries_both_crds(chart):
     names = sorted(yaml.safe_load(crd["data"])["metadata"]["name"] for crd in chart.crds)
     assert names == ["servingprofiles.specserve.io", "speculativeservings.specserve.io"]
+
+
+PRIORS = {"dflash": {"acceptanceLength": 4.6, "curve": [
+    {"concurrency": 1, "tokensPerSecondPerRequest": 230, "ttftMs": 50},
+    {"concurrency": 16, "tokensPerSecondPerRequest": 100, "ttftMs": 180}]}}
+EVERYTHING_ON = {
+    **MONITORING_ON,
+    "allNamespaces": False, "namespaces": ["team-a"],
+    "autoscaleIntervalSeconds": 15,
+    "capacityPriors": PRIORS,
+    "profiles": {"team-a-h100": {"tenant": "team-a", "accelerator": {"pricePerHourUSD": 2.49},
+                                 "limits": {"maxReplicas": 8, "maxHourlyCostUSD": 40}}},
+}
+
+
+def test_every_option_on_renders_valid_objects_the_operator_can_read(chart, tmp_path):
+    from specserve_operator import api
+    from specserve_operator.scenario import load_capacity_priors
+
+    objects = rendered_objects(chart, EVERYTHING_ON)
+    for obj in objects:  # no schemas for monitoring.coreos.com or our own group in kubernetes-validate
+        if obj["apiVersion"] not in ("monitoring.coreos.com/v1", api.API_VERSION):
+            kubernetes_validate.validate(obj, "1.30", strict=True)
+    by_kind = {o["kind"]: o for o in objects}
+    profile = by_kind["ServingProfile"]
+    assert profile["metadata"]["name"] == "team-a-h100"
+    api.ServingProfileSpec.model_validate(profile["spec"])  # the CRD's own model
+    # The priors ConfigMap is what the operator loads at start-up (SPECSERVE_CAPACITY_PRIORS).
+    config_map = by_kind["ConfigMap"]
+    (path := tmp_path / "capacity-priors.yaml").write_text(config_map["data"]["capacity-priors.yaml"])
+    assert [p.in_flight_per_replica for p in load_capacity_priors(path)["dflash"]] == [1, 16]
+    pod = by_kind["Deployment"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    mount = container["volumeMounts"][0]
+    assert env["SPECSERVE_CAPACITY_PRIORS"] == f"{mount['mountPath']}/capacity-priors.yaml"
+    assert pod["volumes"][0]["configMap"]["name"] == config_map["metadata"]["name"]
+    assert env["SPECSERVE_AUTOSCALE_INTERVAL_SECONDS"] == "15"
+    assert container["args"] == ["operator", "--namespace=team-a"]
+
+
+def test_the_operator_pod_is_hardened(chart):
+    from specserve_operator.commands import add_commands
+
+    deployment = next(o for o in rendered_objects(chart, {}) if o["kind"] == "Deployment")
+    spec = deployment["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}  # kopf standalone: never two at once
+    pod = spec["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    (container,) = pod["containers"]
+    assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                            "capabilities": {"drop": ["ALL"]}}
+    for kind in ("requests", "limits"):
+        assert {"cpu", "memory"} <= set(container["resources"][kind])
+    # Probes on kopf's liveness endpoint, at the port `specserve operator` serves it on by default.
+    import argparse
+    parser = argparse.ArgumentParser()
+    add_commands(parser.add_subparsers())
+    defaults = parser.parse_args(container["args"])
+    health = next(p for p in container["ports"] if p["name"] == "health")
+    assert health["containerPort"] == defaults.health_port
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
+
+
+@pytest.mark.parametrize("values, named", [
+    ({"allNamespaces": "yes"}, "/allNamespaces"),
+    ({"podMonitor": {"enabled": True, "lables": {}}}, "lables"),
+    ({"prometheus": {"url": "prometheus:9090"}}, "/prometheus/url"),
+    ({"autoscaleIntervalSeconds": 0}, "/autoscaleIntervalSeconds"),
+    ({"capacityPriors": {"dflash": {"curve": [{"concurrency": 1, "tokensPerSecond": 5, "ttftMs": 1}]}}}, "tokensPerSecond"),
+    ({"resources": {"limits": {"gpu": 1}}}, "gpu"),
+    ({"imagePullPolicy": "Always"}, "imagePullPolicy"),
+])
+def test_helm_refuses_wrong_values_by_name(chart, values, named):
+    with pytest.raises(helm_python.HelmValuesError) as caught:
+        chart.render(values, name="specserve", namespace="specserve-system", is_install=True)
+    assert named in str(caught.value)
+
+
+def test_every_value_is_in_the_schema(chart):
+    schema = json.loads(Path(CHART, "values.schema.json").read_text())
+    defaults = yaml.safe_load(Path(CHART, "values.yaml").read_text())
+    assert set(defaults) == set(schema["properties"]) == set(schema["required"])
+
+
+def test_notes_say_what_to_run_next(chart):
+    notes = chart.render({}, name="specserve", namespace="specserve-system", is_install=True)["specserve/templates/NOTES.txt"]
+    assert "kubectl -n specserve-system rollout status deployment/specserve-operator" in notes
+    assert "ServingProfile" in notes and "prometheus.url" in notes
+    with_profiles = chart.render(EVERYTHING_ON, name="specserve", namespace="specserve-system", is_install=True)
+    assert "ServingProfiles installed: team-a-h100" in with_profiles["specserve/templates/NOTES.txt"]
