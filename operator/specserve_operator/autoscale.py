@@ -168,6 +168,7 @@ def decide(
     if raw < current:  # hysteresis: scale down only to a count that would also hold DOWN_TOLERANCE more demand
         more = Demand(demand.requests_per_second * (1 + DOWN_TOLERANCE), demand.tokens_per_request)
         raw = min(recommend(more, capacities, slo, bounds)[0], current)
+    now = parse_time(timestamp(now))  # whole seconds, as the recommendations are stored: this one is at age 0
     window = max(autoscaling.scale_up_stabilization_seconds, autoscaling.scale_down_stabilization_seconds)
     kept = [(at, n) for at, n in recommendations if (now - parse_time(at)).total_seconds() < window]
     kept.append((timestamp(now), raw))

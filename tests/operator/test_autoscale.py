@@ -126,6 +126,17 @@ def test_scale_up_waits_for_the_stabilisation_window_and_steps_are_bounded():
     assert max_step_down(10) == 5 and max_step_down(1) == 0
 
 
+def test_a_clock_with_microseconds_and_no_stabilisation_decides_on_this_recommendation():
+    """Recommendations are stored at whole seconds; the operator's clock is not (it crashed on min([]))."""
+    bounds = Limits(1, 100, None, 1.0)
+    now = T0 + datetime.timedelta(seconds=15, microseconds=250_000)
+    decision = decide(2, rps(60.0), [capacity()], SLO, bounds, NO_WAIT, [], now)
+    assert decision.replicas == min(decision.recommended, max_step_up(2)) > 2
+    quiet = decide(decision.replicas, rps(1.0), [capacity()], SLO, bounds, NO_WAIT, decision.recommendations,
+                   now + datetime.timedelta(seconds=30, microseconds=500_000))
+    assert quiet.replicas < decision.replicas
+
+
 def test_scale_down_waits_for_its_window():
     bounds = Limits(1, 100, None, 1.0)
     windows = api.Autoscaling(enabled=True, scaleUpStabilizationSeconds=0, scaleDownStabilizationSeconds=300)
