@@ -1,5 +1,5 @@
 # Two entry points, both safe to run on a fresh machine and to run again:
-#   make run    set up .venv, fetch the default model, generate with DFlash on it
+#   make run    set up .venv, fetch the default model, run `specserve demo` (canary + autoscaler, report, charts)
 #   make test   set up .venv (with test tools), fetch the default model, run every test
 VENV := .venv
 BIN := $(VENV)/bin
@@ -10,7 +10,7 @@ STAMP := $(VENV)/.specserve-installed
 $(STAMP): pyproject.toml tests/requirements-speculators.txt
 	test -x $(BIN)/python || python3 -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[cpu,operator,test]'
+	$(BIN)/pip install --quiet -e '.[cpu,operator,demo,test]'
 	$(BIN)/pip install --quiet --no-deps speculators==0.9.0
 	$(BIN)/pip install --quiet -r tests/requirements-speculators.txt
 	touch $(STAMP)
@@ -19,8 +19,7 @@ setup: $(STAMP)
 	$(BIN)/specserve pull
 
 run: setup
-	$(BIN)/specserve generate --method dflash --max-new-tokens 64 \
-		--prompt "Natalia sold clips to 48 friends in April, and half as many in May. How many clips did she sell in total?"
+	$(BIN)/specserve demo --out specserve-demo
 
 # The metrics tests scrape the runtime with a real Prometheus server (Debian's package).
 prometheus:

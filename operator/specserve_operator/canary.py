@@ -518,8 +518,9 @@ def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def run(plan: Plan, outcome: Outcome) -> None:
-    """Start everything, run the rollout to its end (or the timeout), stop everything: fills `outcome`."""
+def run(plan: Plan, outcome: Outcome, on_windows=None) -> None:
+    """Start everything, run the rollout to its end (or the timeout), stop everything: fills `outcome`.
+    `on_windows(now, windows)` sees each analysis' measured windows (the demo's autoscaler)."""
     from .measure import MeasurementError, PrometheusSource, ScrapeSource, Target
 
     work = Path(tempfile.mkdtemp(prefix="specserve-canary-"))
@@ -567,7 +568,7 @@ def run(plan: Plan, outcome: Outcome) -> None:
         say(f"load: {plan.concurrency} closed-loop client(s) per runtime, {len(plan.prompts)} prompts, "
             f"max_tokens {plan.max_new_tokens}; analysis every {plan.rollout.analysis.interval_seconds} s")
         outcome.decision, outcome.reason = rollout_loop(plan, source, targets, overall - time.monotonic(),
-                                                        outcome.analyses)
+                                                        outcome.analyses, on_windows=on_windows)
     except TimedOut as exc:
         outcome.decision, outcome.reason = "Inconclusive", str(exc)
     finally:
@@ -592,7 +593,7 @@ class WallClock:
 
 
 def rollout_loop(plan: Plan, source, targets: list, seconds_left: float, analyses: list[dict],
-                 clock=WallClock()) -> tuple[str, str]:
+                 clock=WallClock(), on_windows=None) -> tuple[str, str]:
     """The operator's timer, locally: every tick decide, and first measure and analyse when an analysis
     is due, until the rollout is Promoted or Aborted -> (stage, why). Each analysis is appended to
     `analyses` as it happens; TimedOut after `seconds_left`."""
@@ -619,6 +620,8 @@ def rollout_loop(plan: Plan, source, targets: list, seconds_left: float, analyse
                 windows = [Window.no_data(target, seconds, f"measurement failed: {exc}").priced(pricing)
                            for target in targets]
             report = analyse(windows[0], windows[1], rollout.analysis, plan.slo)
+            if on_windows is not None:
+                on_windows(now, windows)
         decision = decide(rollout, stable.revision, candidate.revision, canary, last_rollout, {}, report, now)
         elapsed = clock.monotonic() - began
         if report is not None:
@@ -693,30 +696,39 @@ def summary(plan: Plan, outcome: Outcome) -> str:
             f"{source}. Run with --json for every window's numbers.")
 
 
+def run_to_the_end(plan: Plan, command: str, on_windows=None) -> tuple[Outcome, int | None]:
+    """`run` with Ctrl-C and SIGTERM handled: (outcome, exit status so far: None for 0, 128 + signal
+    when interrupted, 1 when something it started failed, with the message said)."""
+    outcome, code = Outcome(), None
+    _received.clear()
+    try:
+        with _signals(_raise_interrupt):
+            run(plan, outcome, on_windows)
+    except KeyboardInterrupt:
+        signum = _received[-1] if _received else signal.SIGINT
+        outcome.decision, outcome.reason = "Inconclusive", f"interrupted ({signal.Signals(signum).name})"
+        say(f"specserve {command}: interrupted; stopped every process it started")
+        code = 128 + signum
+    except CanaryFailure as exc:
+        say(f"specserve {command}: {exc}")
+        code = 1
+    return outcome, code
+
+
 def cmd_canary(args) -> int:
     try:
         plan = make_plan(args)
     except CanaryError as exc:
         print(f"specserve canary: {exc}", file=sys.stderr)
         return 2
-    outcome, code = Outcome(), 0
-    _received.clear()
-    try:
-        with _signals(_raise_interrupt):
-            run(plan, outcome)
-    except KeyboardInterrupt:
-        signum = _received[-1] if _received else signal.SIGINT
-        outcome.decision, outcome.reason = "Inconclusive", f"interrupted ({signal.Signals(signum).name})"
-        say("specserve canary: interrupted; stopped every process it started")
-        code = 128 + signum
-    except CanaryFailure as exc:
-        print(f"specserve canary: {exc}", file=sys.stderr)
+    outcome, code = run_to_the_end(plan, "canary")
+    if code == 1:
         return 1
     if args.json:
         print(json.dumps(result_json(plan, outcome)), flush=True)
     else:
         print(summary(plan, outcome), flush=True)
-    return code
+    return code or 0
 
 
 DESCRIPTION = """\
@@ -753,11 +765,26 @@ stopped on the way out."""
 def add_canary_command(commands) -> None:
     import argparse
 
-    from specserve_runtime.store import DEFAULT_MODEL  # stdlib only: no torch
-
     canary = commands.add_parser("canary", help="run the operator's canary analysis locally on two real runtimes",
                                  description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    flag = canary.add_argument
+    add_rollout_flags(canary)
+    canary.set_defaults(run=cmd_canary)
+
+
+def add_rollout_flags(parser, defaults: dict | None = None) -> None:
+    """The flags of `specserve canary`; `defaults` (by dest) makes the required ones optional (the demo)."""
+    from specserve_runtime.store import DEFAULT_MODEL  # stdlib only: no torch
+
+    defaults = defaults or {}
+
+    def flag(name, **kwargs):
+        dest = name.removeprefix("--").replace("-", "_")
+        if dest in defaults:
+            if kwargs.pop("required", False):
+                kwargs["help"] += " (default %(default)s)"
+            kwargs["default"] = defaults[dest]
+        parser.add_argument(name, **kwargs)
+
     flag("--stable", required=True, metavar="SPEC", help="what serves today")
     flag("--candidate", required=True, metavar="SPEC", help="what is rolled out")
     flag("--prompts-file", required=True, help='JSONL, one object with a "prompt" field per line')
@@ -782,4 +809,3 @@ def add_canary_command(commands) -> None:
               "plus twice the steps' planned time)")
     flag("--no-prometheus", action="store_true", help="scrape the runtimes' /metrics even if prometheus is installed")
     flag("--json", action="store_true", help="stdout is one JSON object (one line)")
-    canary.set_defaults(run=cmd_canary)

@@ -172,6 +172,10 @@ def add_commands(commands) -> None:
 
     add_canary_command(commands)
 
+    from .demo import add_demo_command
+
+    add_demo_command(commands)
+
     from .simulate import add_simulate_command
 
     add_simulate_command(commands)
