@@ -574,7 +574,6 @@ class TickRecord:
     ready: dict[str, int]
     hourly_usd: float
     budget_limited: bool = False
-    reason: str = ""
 
 
 class SimulatedCluster:
@@ -702,7 +701,7 @@ class Operator:
         budget = conditions.get("BudgetLimited", {})
         weight = canary.get("weight") if status["phase"] == "Progressing" else None
         record = TickRecord(now_s, status["phase"], weight, dict(self.cluster.fleet.desired), {}, 0.0,
-                            budget.get("status") == "True", (status.get("autoscaling") or {}).get("reason", ""))
+                            budget.get("status") == "True")
         return record, outcome.events
 
 
@@ -906,7 +905,7 @@ def simulate(scenario: Scenario, requests: list[Arrival], seed: int, controller=
                 # Down: nothing reconciles. What comes back knows only the serving's status.
                 last = run.ticks[-1] if run.ticks else None
                 record = TickRecord(now_s, last.stage if last else "Serving", last.weight if last else None,
-                                    dict(fleet.desired), {}, 0.0, reason="operator down")
+                                    dict(fleet.desired), {}, 0.0, last.budget_limited if last else False)
             else:
                 outage = any(f.kind == "prometheusOutage" and f.active(now_s) for f in scenario.faults)
                 record, events = operator.tick(now_s, outage)
