@@ -108,12 +108,12 @@ def _numbers(canary: api.CanaryStatus) -> str:
     return f"step {canary.step} at weight {canary.weight}%: " + "; ".join(last.reasons)
 
 
-def _abort(events: list[Event], consumed: list[str], canary: api.CanaryStatus, now, why: str) -> Decision:
+def _abort(events: list[Event], consumed: list[str], canary: api.CanaryStatus, now, reason: str, why: str) -> Decision:
     record = api.RolloutRecord(candidate_revision=canary.revision, outcome="Aborted", at=timestamp(now), message=why)
     return Decision(
         "Aborted", None, canary, record,
         events=events + [Event("Warning", "RolloutAborted", why)],
-        conditions={"RolloutAborted": (True, "AnalysisFailed" if "analysis" in why else "Aborted", why),
+        conditions={"RolloutAborted": (True, reason, why),
                     "AnalysisInconclusive": (False, "RolloutEnded", "")},
         consumed_annotations=consumed,
     )
@@ -170,7 +170,7 @@ def decide(
 
     if annotation_set(annotations, ABORT):
         consumed.append(ABORT)
-        return _abort(events, consumed, canary, now, f"aborted by annotation {ABORT} at {_numbers(canary)}")
+        return _abort(events, consumed, canary, now, "Aborted", f"aborted by annotation {ABORT} at {_numbers(canary)}")
 
     if report is not None:
         result = analysis_result(report, canary, now)
@@ -185,7 +185,8 @@ def decide(
             events.append(Event("Warning", "AnalysisFailed",
                                          f"{fails}/{rollout.analysis.failure_limit} failed: {_numbers(canary)}"))
             if fails >= rollout.analysis.failure_limit:
-                return _abort(events, consumed, canary, now, f"analysis failed {fails} times in a row at {_numbers(canary)}")
+                return _abort(events, consumed, canary, now, "AnalysisFailed",
+                              f"analysis failed {fails} times in a row at {_numbers(canary)}")
 
     step = rollout.steps[min(canary.step, len(rollout.steps) - 1)]
     held = (now - parse_time(canary.step_started_at)).total_seconds() >= step.analysis_seconds

@@ -65,7 +65,7 @@ def test_failure_limit_consecutive_fails_abort_with_the_numbers():
     assert once.events[0].type == "Warning" and "1/2 failed" in once.events[0].message
     aborted = run.step("Fail", seconds=60)
     assert aborted.stage == "Aborted" and aborted.last_rollout.outcome == "Aborted"
-    assert aborted.conditions["RolloutAborted"][0] is True
+    assert aborted.conditions["RolloutAborted"][:2] == (True, "AnalysisFailed")
     assert "failed 2 times in a row" in aborted.last_rollout.message
     assert len(aborted.canary.history) == 2  # kept for inspection
     # not retried while the candidate is unchanged, however long
@@ -109,6 +109,8 @@ def test_abort_annotation_aborts_at_once_and_is_consumed():
     decision = run.step(annotations={ABORT: "true"}, seconds=5)
     assert decision.stage == "Aborted" and decision.consumed_annotations == [ABORT]
     assert "aborted by annotation" in decision.last_rollout.message
+    # By hand, before any analysis: the condition says so ("no analysis yet" is not a failed analysis).
+    assert decision.conditions["RolloutAborted"][:2] == (True, "Aborted")
 
 
 def test_retry_annotation_restarts_an_aborted_candidate_at_step_zero():
