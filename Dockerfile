@@ -1,11 +1,53 @@
-# The runtime image: the embedded engine on CPU (the operator image installs `.` without extras).
-FROM python:3.11-slim
-RUN useradd --uid 10001 --create-home --shell /usr/sbin/nologin specserve
-WORKDIR /app
+# syntax=docker/dockerfile:1
+# Three images from one file (docs/images.md; `make images` builds and tags them):
+#   --target runtime      vLLM's OpenAI image + specserve + the bundled drafters   ghcr.io/specserve/runtime
+#   --target runtime-cpu  the embedded PyTorch engine (CPU) + the bundled drafters  ghcr.io/specserve/runtime-cpu
+#   --target operator     the kopf operator, no torch                               ghcr.io/specserve/operator
+# Bases are pinned by exact tag (vLLM v0.28.0 serves DFlash and DFlash2). The drafters land in
+# /opt/specserve/drafters, where the operator renders `draftModel: bundled://NAME`
+# (tests/operator/test_images.py keeps the three in agreement).
+
+# The project wheel, built once: no build tools reach the final stages.
+FROM python:3.11.7-slim-bookworm AS wheel
+WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY operator ./operator
 COPY runtime ./runtime
-RUN pip install --no-cache-dir '.[cpu]'
-ENV SPECSERVE_CACHE=/cache
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+FROM python:3.11.7-slim-bookworm AS operator
+ARG SPECSERVE_VERSION=0.1.0
+RUN useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin specserve
+RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    pip install --no-cache-dir "specserve[operator] @ file:///wheels/specserve-${SPECSERVE_VERSION}-py3-none-any.whl"
 USER 10001
 ENTRYPOINT ["specserve"]
+CMD ["operator", "--all-namespaces"]
+
+FROM python:3.11.7-slim-bookworm AS runtime-cpu
+ARG SPECSERVE_VERSION=0.1.0
+RUN useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin specserve
+# torch from PyTorch's CPU index: the PyPI wheel would bring gigabytes of CUDA libraries.
+RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu \
+        "torch==2.13.0+cpu" "specserve[runtime] @ file:///wheels/specserve-${SPECSERVE_VERSION}-py3-none-any.whl"
+COPY runtime/specserve_runtime/drafters/weights/ /opt/specserve/drafters/
+ENV SPECSERVE_CACHE=/cache HF_HOME=/cache/huggingface
+USER 10001
+EXPOSE 8000
+ENTRYPOINT ["specserve"]
+CMD ["launch", "--config", "/etc/specserve/runtime.yaml"]
+
+FROM vllm/vllm-openai:v0.28.0 AS runtime
+ARG SPECSERVE_VERSION=0.1.0
+RUN useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin specserve
+# vLLM's image already has torch (CUDA), vLLM and what `specserve launch` imports (pydantic,
+# pyyaml): the wheel alone, so that nothing replaces the versions vLLM was built against.
+RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    pip install --no-cache-dir --no-deps "/wheels/specserve-${SPECSERVE_VERSION}-py3-none-any.whl"
+COPY runtime/specserve_runtime/drafters/weights/ /opt/specserve/drafters/
+ENV SPECSERVE_CACHE=/cache HF_HOME=/cache/huggingface
+USER 10001
+EXPOSE 8000
+ENTRYPOINT ["specserve"]
+CMD ["launch", "--config", "/etc/specserve/runtime.yaml"]

@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.specserve-installed
 
-.PHONY: setup run test prometheus
+.PHONY: setup run test prometheus images
 
 $(STAMP): pyproject.toml tests/requirements-speculators.txt
 	test -x $(BIN)/python || python3 -m venv $(VENV)
@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml tests/requirements-speculators.txt
 	$(BIN)/pip install --quiet -e '.[cpu,operator,demo,test]'
 	$(BIN)/pip install --quiet --no-deps speculators==0.9.0
 	$(BIN)/pip install --quiet -r tests/requirements-speculators.txt
+	# checkov pins packaging<24, which pytest refuses: it scans from a virtual environment of its own.
+	test -x $(VENV)/checkov/bin/python || python3 -m venv $(VENV)/checkov
+	$(VENV)/checkov/bin/pip install --quiet checkov==3.3.30
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -27,3 +30,12 @@ prometheus:
 
 test: setup prometheus
 	$(BIN)/python -m pytest -q
+
+# The three images of the Dockerfile, tagged as the operator and the chart expect them
+# (docs/images.md). Needs a Docker engine with BuildKit; the tests lint the Dockerfile instead.
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+REGISTRY ?= ghcr.io/specserve
+images:
+	for target in runtime runtime-cpu operator; do \
+		docker build --target $$target --build-arg SPECSERVE_VERSION=$(VERSION) -t $(REGISTRY)/$$target:$(VERSION) . || exit 1; \
+	done

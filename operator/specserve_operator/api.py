@@ -10,14 +10,21 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
+from specserve_runtime.config import BUNDLED_DRAFTERS
 
 GROUP, VERSION = "specserve.io", "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
+# The images `make images` builds from the Dockerfile's targets, at the project's version: a
+# revision's runtime image unless it names one (tests/operator/test_images.py checks they agree).
+RELEASE = "0.1.0"
+RUNTIME_IMAGES = {"vllm": f"ghcr.io/specserve/runtime:{RELEASE}", "embedded": f"ghcr.io/specserve/runtime-cpu:{RELEASE}"}
 
 Method = Literal["none", "ngram", "eagle3", "dflash"]
 ALL_METHODS: list[Method] = ["none", "ngram", "eagle3", "dflash"]
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 MODEL_URI = r"^(hf|pvc|s3)://.+$"
+# A drafter may also be one the runtime images embed: bundled://NAME.
+DRAFT_MODEL_URI = rf"^((hf|pvc|s3)://.+|bundled://({'|'.join(BUNDLED_DRAFTERS)}))$"
 Quantity = int | str
 
 
@@ -100,7 +107,9 @@ class Speculator(Model):
         }
     )
     method: Method = "none"
-    draft_model: str | None = Field(None, pattern=MODEL_URI)
+    draft_model: str | None = Field(
+        None, pattern=DRAFT_MODEL_URI, description="hf://, pvc://, s3://, or bundled://NAME: a drafter the runtime images embed"
+    )
     num_speculative_tokens: int | None = Field(None, ge=1, le=64, description="dflash: block size - 1")
 
     @model_validator(mode="after")
@@ -119,7 +128,9 @@ class Resources(Model):
 
 class RuntimeSpec(Model):
     engine: Literal["vllm", "embedded"] = "vllm"
-    image: str = Field("ghcr.io/specserve/runtime:0.1.0", min_length=1)
+    image: str | None = Field(
+        None, min_length=1, description=f"default: the engine's image ({RUNTIME_IMAGES['vllm']}, {RUNTIME_IMAGES['embedded']})"
+    )
     args: list[str] = Field([], description="extra engine arguments, passed as a list, never through a shell")
     resources: Resources = Resources()
 

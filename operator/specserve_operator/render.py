@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from specserve_runtime.config import CONFIG_FILE, CONFIG_MOUNT, DEFAULT_PORT, RuntimeConfig
+from specserve_runtime.config import BUNDLED_DRAFTERS_DIR, CONFIG_FILE, CONFIG_MOUNT, DEFAULT_PORT, RuntimeConfig
 
 from . import api
 from .capacity import Point
@@ -182,6 +182,13 @@ def metadata(serving: Serving, profile: Profile, name: str, extra_labels: dict |
     return meta
 
 
+def drafter_location(draft_model: str | None) -> str | None:
+    """bundled://NAME is a folder inside the runtime images; other URIs go to the runtime as written."""
+    if draft_model and draft_model.startswith("bundled://"):
+        return f"{BUNDLED_DRAFTERS_DIR}/{draft_model.removeprefix('bundled://')}"
+    return draft_model
+
+
 def runtime_config(serving: Serving, revision: Revision) -> RuntimeConfig:
     model, speculator = serving.spec.model, revision.speculator
     return RuntimeConfig(
@@ -189,7 +196,7 @@ def runtime_config(serving: Serving, revision: Revision) -> RuntimeConfig:
         model_uri=model.uri,
         served_name=model.served_name,
         method=speculator.method,
-        drafter=speculator.draft_model,
+        drafter=drafter_location(speculator.draft_model),
         num_speculative_tokens=speculator.num_speculative_tokens,
         engine=revision.runtime.engine,
         engine_args=revision.runtime.args,
@@ -234,7 +241,7 @@ def deployment(serving: Serving, profile: Profile, revision: Revision) -> dict:
     probe = {"httpGet": {"path": "/health", "port": PORT_NAME}, "periodSeconds": 10, "timeoutSeconds": 5}
     container = {
         "name": "runtime",
-        "image": revision.runtime.image,
+        "image": revision.runtime.image or api.RUNTIME_IMAGES[revision.runtime.engine],
         "args": ["launch", "--config", f"{CONFIG_MOUNT}/{CONFIG_FILE}"],
         "ports": [{"name": PORT_NAME, "containerPort": DEFAULT_PORT, "protocol": "TCP"}],
         "env": [

@@ -11,6 +11,10 @@ from pydantic.alias_generators import to_camel
 CONFIG_MOUNT = "/etc/specserve"
 CONFIG_FILE = "runtime.yaml"
 DEFAULT_PORT = 8000
+# The drafters the runtime images embed, and where (Dockerfile): the operator renders
+# `draftModel: bundled://NAME` as this folder + NAME; the wheel carries them as package data.
+BUNDLED_DRAFTERS_DIR = "/opt/specserve/drafters"
+BUNDLED_DRAFTERS = ("smollm2-135m-instruct-dflash", "smollm2-135m-instruct-eagle3")
 
 
 class RuntimeConfig(BaseModel):

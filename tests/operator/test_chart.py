@@ -2,6 +2,8 @@
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import helm_python
@@ -32,7 +34,7 @@ def test_chart_lints_clean():
 def test_rendered_chart_is_valid_and_least_privileged(chart, values):
     objects = rendered_objects(chart, values)
     kinds = sorted(o["kind"] for o in objects)
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "ServiceAccount"]
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "NetworkPolicy", "ServiceAccount"]
     for obj in objects:
         kubernetes_validate.validate(obj, "1.30", strict=True)
     deployment = next(o for o in objects if o["kind"] == "Deployment")
@@ -58,7 +60,8 @@ MONITORING_ON = {
 def test_monitoring_values_render_prometheus_url_pod_and_service_monitors(chart):
     objects = rendered_objects(chart, MONITORING_ON)
     kinds = sorted(o["kind"] for o in objects)
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "PodMonitor", "Service", "ServiceAccount",
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "NetworkPolicy", "PodMonitor", "Service",
+                     "ServiceAccount",
                      "ServiceMonitor"]
     for obj in objects:  # kubernetes-validate has no schemas for monitoring.coreos.com: checked by hand below
         if obj["apiVersion"] != "monitoring.coreos.com/v1":
@@ -217,3 +220,44 @@ def test_notes_say_what_to_run_next(chart):
     assert "ServingProfile" in notes and "prometheus.url" in notes
     with_profiles = chart.render(EVERYTHING_ON, name="specserve", namespace="specserve-system", is_install=True)
     assert "ServingProfiles installed: team-a-h100" in with_profiles["specserve/templates/NOTES.txt"]
+
+
+def test_the_operator_admits_only_prometheus_on_its_metrics_port(chart):
+    deployment, policy = (next(o for o in rendered_objects(chart, {}) if o["kind"] == kind)
+                          for kind in ("Deployment", "NetworkPolicy"))
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+
+
+CHECKOV = Path(sys.prefix, "checkov", "bin", "checkov")  # a venv of its own (Makefile: its pins clash with pytest's)
+CHECKOV_SKIPS = Path("tests/operator/checkov-skips.yaml")
+
+
+def test_checkov_fails_nothing_but_the_justified_skips(chart, tmp_path):
+    """checkov on the chart rendered with default values and with every option on, on what the
+    operator renders for the example tenant, and on the Dockerfile. Every failed check must be in checkov-skips.yaml with a one-line reason, and every
+    skip there must still be needed: the scan runs without skips and the two sets must be equal."""
+    assert CHECKOV.is_file(), f"{CHECKOV} missing: `make setup` installs checkov in its own virtual environment"
+    for name, values in (("default", {}), ("everything-on", EVERYTHING_ON)):
+        text = "\n---\n".join(yaml.safe_dump(obj) for obj in rendered_objects(chart, values))
+        (tmp_path / f"{name}.yaml").write_text(text)
+    from specserve_operator.commands import render_file
+
+    runtime_objects = render_file(Path("docs/examples/team-a.yaml"))  # what the operator creates for a tenant
+    (tmp_path / "operator-rendered.yaml").write_text("\n---\n".join(yaml.safe_dump(obj) for obj in runtime_objects))
+    (tmp_path / "Dockerfile").write_text(Path("Dockerfile").read_text())
+    result = subprocess.run(
+        [str(CHECKOV), "--directory", str(tmp_path), "--framework", "kubernetes", "dockerfile",
+         "--output", "json", "--quiet", "--compact", "--skip-download"],
+        check=False, capture_output=True, text=True,  # exit 1 on any failed check: the sets below decide
+    )
+    reports = json.loads(result.stdout)
+    reports = reports if isinstance(reports, list) else [reports]
+    assert {r["check_type"] for r in reports} == {"kubernetes", "dockerfile"}, result.stderr[-2000:]
+    assert all(r["summary"]["passed"] > 0 for r in reports)  # it really scanned something
+    failed = {(c["check_id"], c["resource"]) for r in reports for c in r["results"]["failed_checks"]}
+    skips = yaml.safe_load(CHECKOV_SKIPS.read_text())
+    assert all(isinstance(reason, str) and len(reason) > 20 for reason in skips.values()), "each skip needs its reason"
+    assert {check for check, _ in failed} == set(skips), f"failed: {sorted(failed)}; skips: {sorted(skips)}"

@@ -6,9 +6,16 @@ import kubernetes_validate
 import pytest
 import yaml
 from jsonschema import validate as jsonschema_validate
-
 from specserve_operator.commands import RenderError, render_file
-from specserve_operator.render import Settings, Traffic, candidate_runtime, render_all, replica_budget, revision_hash, split_replicas
+from specserve_operator.render import (
+    Settings,
+    Traffic,
+    candidate_runtime,
+    render_all,
+    replica_budget,
+    revision_hash,
+    split_replicas,
+)
 from specserve_operator.validate import check_against_profile, parse_profile, parse_serving
 
 from .conftest import EXAMPLE
@@ -185,6 +192,28 @@ def test_revision_hash_follows_the_pod_affecting_spec_only(example_documents):
     assert revision_hash(spec.model, changed, spec.runtime) != base
     image = spec.runtime.model_copy(update={"image": "registry.example.com/specserve-runtime:0.2.0"})
     assert revision_hash(spec.model, spec.speculator, image) != base
+
+
+def test_a_bundled_drafter_renders_to_the_folder_inside_the_runtime_image_and_the_image_follows_the_engine(example_documents):
+    from specserve_operator import api
+    from specserve_runtime.config import BUNDLED_DRAFTERS_DIR
+
+    documents = copy.deepcopy(example_documents)
+    serving_doc = next(d for d in documents if d["kind"] == "SpeculativeServing")
+    serving_doc["spec"]["speculator"] = {"method": "dflash", "draftModel": "bundled://smollm2-135m-instruct-dflash"}
+    serving_doc["spec"]["runtime"] = {"engine": "embedded"}
+    serving_doc["spec"].pop("rollout", None)
+    serving, profile, _ = parsed(documents)
+    objects = render_all(serving, profile)
+    (config_map,) = of_kind(objects, "ConfigMap")
+    config = yaml.safe_load(config_map["data"]["runtime.yaml"])
+    assert config["drafter"] == f"{BUNDLED_DRAFTERS_DIR}/smollm2-135m-instruct-dflash"
+    (deployment,) = of_kind(objects, "Deployment")
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == api.RUNTIME_IMAGES["embedded"]
+    # Only the drafters the images embed: an unknown name is refused by the API's own pattern.
+    serving_doc["spec"]["speculator"]["draftModel"] = "bundled://my-drafter"
+    _, problems = parse_serving(serving_doc)
+    assert any("draftModel" in problem for problem in problems)
 
 
 def test_replica_ratio_mode_has_no_route_and_splits_replicas(example_documents):
