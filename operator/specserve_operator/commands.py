@@ -98,12 +98,15 @@ def cmd_render(args) -> int:
 
 
 def cmd_crds(args) -> int:
-    from .crd import render_yaml, speculative_serving_crd, serving_profile_crd, write_crds
+    from .crd import reference_markdown, render_yaml, serving_profile_crd, speculative_serving_crd, write_crds
 
+    if args.reference:
+        Path(args.reference).write_text(reference_markdown())
+        print(args.reference, file=sys.stderr)
     if args.out:
         for path in write_crds(Path(args.out)):
             print(path, file=sys.stderr)
-    else:
+    elif not args.reference:
         sys.stdout.write("---\n".join(render_yaml(c) for c in (serving_profile_crd(), speculative_serving_crd())))
     return 0
 
@@ -159,6 +162,7 @@ def add_commands(commands) -> None:
 
     crds = commands.add_parser("crds", help="print (or write with --out DIR) the CRDs generated from the API models")
     crds.add_argument("--out")
+    crds.add_argument("--reference", metavar="FILE", help="write the field reference (Markdown) rendered from the CRDs")
     crds.set_defaults(run=cmd_crds)
 
     bench = commands.add_parser("bench-operator", help="reconcile N SpeculativeServings against KMock; time and API calls")

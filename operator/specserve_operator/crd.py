@@ -2,9 +2,11 @@
 
 Pydantic writes JSON Schema (draft 2020-12); Kubernetes wants a structural OpenAPI v3 schema:
 no $ref, no anyOf for optional fields, int-or-string as an extension, boolean
-exclusiveMinimum. `structural` converts one into the other.
+exclusiveMinimum. `structural` converts one into the other. `reference_markdown` renders the
+CRDs' schemas as the field reference docs/configuration.md.
 """
 
+import json
 from pathlib import Path
 
 import yaml
@@ -159,3 +161,107 @@ def write_crds(directory: Path = CRD_DIR) -> list[Path]:
         path.write_text(render_yaml(crd))
         paths.append(path)
     return paths
+
+
+# ----- docs/configuration.md: the field reference, rendered from the CRDs above ------------------
+
+REFERENCE_COMMAND = "specserve crds --reference docs/configuration.md"
+_REFERENCE_COLUMNS = "| field | type | default | constraints | description |\n| --- | --- | --- | --- | --- |"
+
+
+def reference_markdown() -> str:
+    """docs/configuration.md: every field of both kinds, from the generated CRDs' openAPIV3Schema.
+
+    Rendered from the CRDs rather than from api.py so that it states exactly what the API server
+    enforces (defaults, bounds, patterns, CEL rules); a test keeps the committed file equal to it.
+    """
+    parts = [
+        "# Configuration reference",
+        (f"Generated from the CRD schemas (`operator/specserve_operator/api.py`) by `{REFERENCE_COMMAND}`;"
+         " do not edit by hand. What the fields do: README.md (The operator, Canary rollouts,"
+         " Autoscaling) and [operations.md](operations.md)."),
+        ("A type `[]T` is a list, `map[string]T` an object with free keys. A default of `{}` on an object means"
+         " the API server fills in its fields' own defaults. Constraints are enforced at admission; so are the"
+         " validation rules (CEL) listed under a table."),
+    ]
+    for crd in all_crds().values():
+        parts.append(_kind_reference(crd))
+    return "\n\n".join(parts) + "\n"
+
+
+def _kind_reference(crd: dict) -> str:
+    names, version = crd["spec"]["names"], crd["spec"]["versions"][0]
+    columns = ", ".join(f"{c['name']} (`{c['jsonPath']}`)" for c in version["additionalPrinterColumns"])
+    intro = (f"`{crd['spec']['group']}/{version['name']}`, scope {crd['spec']['scope']}, short names "
+             + ", ".join(f"`{n}`" for n in names["shortNames"]) + f". `kubectl get` columns: {columns}.")
+    scale = version["subresources"].get("scale")
+    if scale:
+        intro += (f" The /scale subresource (`kubectl scale`, an HPA, KEDA) sets `{scale['specReplicasPath']}` and reads"
+                  f" `{scale['statusReplicasPath']}` and the label selector `{scale['labelSelectorPath']}`.")
+    schema = version["schema"]["openAPIV3Schema"]
+    tables = [_object_tables(top, schema["properties"][top]) for top in ("spec", "status")]
+    return "\n\n".join([f"## {names['kind']}", intro, *tables])
+
+
+def _object_tables(path: str, schema: dict) -> str:
+    """The table of the object at `path` (one row per field), then those of its object fields, depth first."""
+    required = set(schema.get("required") or [])
+    rows, nested = [], []
+    for name, field in schema["properties"].items():
+        field_path = f"{path}.{name}"
+        rows.append("| " + " | ".join([f"`{field_path}`", _type(field), _default(field),
+                                        _constraints(field, name in required), _cell(field.get("description", ""))]) + " |")
+        if "properties" in field:
+            nested.append(_object_tables(field_path, field))
+        elif "properties" in field.get("items", {}):
+            nested.append(_object_tables(field_path + "[]", field["items"]))
+    table = f"### {path}\n\n{_REFERENCE_COLUMNS}\n" + "\n".join(rows)
+    rules = schema.get("x-kubernetes-validations") or []
+    if rules:
+        table += "\n\nValidation rules (CEL):\n" + "\n".join(
+            f"- `{r['rule']}`: {r['message']}" + (f" (reported at `{path}{r['fieldPath']}`)" if "fieldPath" in r else "")
+            for r in rules
+        )
+    return "\n\n".join([table, *nested])
+
+
+def _type(schema: dict) -> str:
+    if schema.get("x-kubernetes-int-or-string"):
+        return "int-or-string"
+    if schema.get("type") == "array":
+        return "[]" + _type(schema["items"])
+    if isinstance(schema.get("additionalProperties"), dict):
+        return "map[string]" + _type(schema["additionalProperties"])
+    return schema["type"]
+
+
+def _default(schema: dict) -> str:
+    return _cell(f"`{json.dumps(schema['default'])}`") if "default" in schema else ""
+
+
+def _constraints(schema: dict, required: bool) -> str:
+    return _cell(", ".join(_constraint_parts(schema, required)))
+
+
+def _constraint_parts(schema: dict, required: bool) -> list[str]:
+    parts = ["required"] if required else []
+    if "enum" in schema:
+        parts.append("one of " + ", ".join(f"`{value}`" for value in schema["enum"]))
+    if "minimum" in schema:
+        parts.append(f"{'>' if schema.get('exclusiveMinimum') else '>='} {schema['minimum']}")
+    if "maximum" in schema:
+        parts.append(f"{'<' if schema.get('exclusiveMaximum') else '<='} {schema['maximum']}")
+    for key, text in (("minLength", "length >="), ("maxLength", "length <="), ("minItems", "items >="), ("maxItems", "items <=")):
+        if key in schema:
+            parts.append(f"{text} {schema[key]}")
+    if "pattern" in schema:
+        parts.append(f"pattern `{schema['pattern']}`")
+    items = _constraint_parts(schema["items"], False) if schema.get("type") == "array" else []
+    if items:
+        parts.append("each item: " + ", ".join(items))
+    return parts
+
+
+def _cell(text: str) -> str:
+    """Table cell text: a pipe would end the cell, even inside backticks (GitHub's tables)."""
+    return text.replace("|", "\\|").replace("\n", " ")
