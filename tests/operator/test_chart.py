@@ -12,6 +12,8 @@ import pytest
 import yaml
 
 CHART = "charts/specserve"
+# Rendered objects are validated against the oldest Kubernetes the chart admits (Chart.yaml kubeVersion).
+MIN_KUBERNETES = re.fullmatch(r">=(\d+\.\d+)\.0-0", yaml.safe_load(Path(CHART, "Chart.yaml").read_text())["kubeVersion"])[1]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,7 @@ def test_rendered_chart_is_valid_and_least_privileged(chart, values):
     kinds = sorted(o["kind"] for o in objects)
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "NetworkPolicy", "ServiceAccount"]
     for obj in objects:
-        kubernetes_validate.validate(obj, "1.30", strict=True)
+        kubernetes_validate.validate(obj, MIN_KUBERNETES, strict=True)
     deployment = next(o for o in objects if o["kind"] == "Deployment")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
@@ -65,7 +67,7 @@ def test_monitoring_values_render_prometheus_url_pod_and_service_monitors(chart)
                      "ServiceMonitor"]
     for obj in objects:  # kubernetes-validate has no schemas for monitoring.coreos.com: checked by hand below
         if obj["apiVersion"] != "monitoring.coreos.com/v1":
-            kubernetes_validate.validate(obj, "1.30", strict=True)
+            kubernetes_validate.validate(obj, MIN_KUBERNETES, strict=True)
     by_kind = {o["kind"]: o for o in objects}
     deployment = by_kind["Deployment"]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
@@ -150,7 +152,7 @@ def test_every_option_on_renders_valid_objects_the_operator_can_read(chart, tmp_
     objects = rendered_objects(chart, EVERYTHING_ON)
     for obj in objects:  # no schemas for monitoring.coreos.com or our own group in kubernetes-validate
         if obj["apiVersion"] not in ("monitoring.coreos.com/v1", api.API_VERSION):
-            kubernetes_validate.validate(obj, "1.30", strict=True)
+            kubernetes_validate.validate(obj, MIN_KUBERNETES, strict=True)
     by_kind = {o["kind"]: o for o in objects}
     profile = by_kind["ServingProfile"]
     assert profile["metadata"]["name"] == "team-a-h100"
