@@ -307,6 +307,9 @@ class RolloutRecord(Model):
 
     candidate_revision: str
     outcome: Literal["Promoted", "Aborted"]
+    reason: Literal["AnalysisFailed", "Aborted"] | None = Field(
+        None, description="why it was aborted: AnalysisFailed (failureLimit failed analyses in a row) or Aborted (by annotation)"
+    )
     at: str
     message: str = ""
 

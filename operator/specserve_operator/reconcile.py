@@ -282,7 +282,9 @@ def reconcile(cluster: Cluster, body: dict, settings: Settings, source, now: dat
     scaling = autoscale_serving(cluster, source, serving, profile, settings, old_status, decision, deployments, now)
     outcome.events += scaling.events
     canary_ready = ready_replicas(deployments.get(f"{serving.name}-{candidate}")) if candidate else None
-    traffic = Traffic(decision.stage, decision.weight, canary_ready=canary_ready)
+    stable_ready = ready_replicas(deployments.get(f"{serving.name}-{stable_hash}"))
+    traffic = Traffic(decision.stage, decision.weight, canary_ready=canary_ready, stable_ready=stable_ready,
+                      drain_candidate=decision.drain_candidate)
     revs = planned_revisions(spec, profile.spec, scaling.replicas, traffic)
     canary_revision = revs[1].hash if len(revs) > 1 else None
     traffic = replace(traffic, stable_backend=stable_backend(serving, revs[0].hash, revs[0].replicas, deployments,

@@ -53,14 +53,17 @@ class Traffic:
     stage: Stable (no canary), Canary (the candidate takes `canary_weight` percent), Aborted (the
     candidate's Deployment kept at zero replicas for inspection), Promoted (the candidate revision
     is the stable one). stable_backend: the revision `<name>-stable` routes to while a new stable
-    revision is not ready yet (None: the stable revision itself). canary_ready: the candidate's
-    ready pods (None: not known), see planned_revisions.
+    revision is not ready yet (None: the stable revision itself). canary_ready, stable_ready: each
+    revision's ready pods (None: not known), and drain_candidate: an aborted candidate keeps its
+    ready pods while the stable's replacements start (rollout.drains); see planned_revisions.
     """
 
     stage: Literal["Stable", "Canary", "Aborted", "Promoted"] = "Stable"
     canary_weight: int | None = None
     stable_backend: str | None = None
     canary_ready: int | None = None
+    stable_ready: int | None = None
+    drain_candidate: bool = False
 
 
 @dataclass(frozen=True)
@@ -139,17 +142,30 @@ def revisions(spec: api.SpeculativeServingSpec, total: int, traffic: Traffic = T
 def planned_revisions(spec: api.SpeculativeServingSpec, profile: api.ServingProfileSpec, wanted: int | None,
                       traffic: Traffic) -> list[Revision]:
     """The revisions' replica counts as applied: the budgeted total split by the rollout's weight,
-    and while the candidate's pods start (fewer ready than its replicas), the stable keeps the pods
-    they will replace. One Service spreads requests over all ready pods, so a stable pod removed
-    before its replacement is ready is capacity lost for a whole start-up. The surge stays within
-    replica_ceiling: the budget is a wall for it too."""
+    and while one revision's pods start (fewer ready than its replicas), the other keeps the pods
+    they will replace. One Service spreads requests over all ready pods, so a pod removed before
+    its replacement is ready is capacity lost for a whole start-up. Two cases: the stable while the
+    candidate's pods start, and a draining aborted candidate (ReplicaRatio only: a route sends an
+    aborted candidate nothing) while the stable's start, never more than its ready pods. The surge
+    stays within replica_ceiling: the budget is a wall for it too."""
     revs = revisions(spec, replica_budget(spec, profile, wanted), traffic)
-    if traffic.stage != "Canary" or len(revs) < 2 or traffic.canary_ready is None:
+    if len(revs) < 2:
         return revs
     stable, canary = revs
-    starting = max(canary.replicas - traffic.canary_ready, 0)
-    keep = min(stable.replicas + starting, replica_ceiling(spec, profile) - canary.replicas)
-    return [replace(stable, replicas=max(stable.replicas, keep)), canary]
+    ceiling = replica_ceiling(spec, profile)
+    if traffic.stage == "Canary" and traffic.canary_ready is not None:
+        return [keep_replaced_pods(stable, canary, traffic.canary_ready, ceiling - canary.replicas), canary]
+    if (traffic.stage == "Aborted" and traffic.drain_candidate and spec.traffic.mode == "ReplicaRatio"
+            and traffic.canary_ready is not None and traffic.stable_ready is not None):
+        most = min(ceiling - stable.replicas, traffic.canary_ready)
+        return [stable, keep_replaced_pods(canary, stable, traffic.stable_ready, most)]
+    return revs
+
+
+def keep_replaced_pods(leaving: Revision, arriving: Revision, arriving_ready: int, most: int) -> Revision:
+    """`leaving` with the pods that `arriving`'s starting pods will replace, up to `most` in all."""
+    starting = max(arriving.replicas - arriving_ready, 0)
+    return replace(leaving, replicas=max(leaving.replicas, min(leaving.replicas + starting, most)))
 
 
 def selector_labels(serving: Serving) -> dict[str, str]:

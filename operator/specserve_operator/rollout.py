@@ -60,6 +60,8 @@ class Decision:
     events: list[Event] = field(default_factory=list)
     conditions: dict[str, tuple[bool, str, str]] = field(default_factory=dict)  # type -> (status, reason, message)
     consumed_annotations: list[str] = field(default_factory=list)
+    # Aborted only: the candidate keeps its ready pods until the stable's replacements are ready.
+    drain_candidate: bool = False
 
 
 def timestamp(moment: datetime.datetime) -> str:
@@ -108,15 +110,31 @@ def _numbers(canary: api.CanaryStatus) -> str:
     return f"step {canary.step} at weight {canary.weight}%: " + "; ".join(last.reasons)
 
 
-def _abort(events: list[Event], consumed: list[str], canary: api.CanaryStatus, now, reason: str, why: str) -> Decision:
-    record = api.RolloutRecord(candidate_revision=canary.revision, outcome="Aborted", at=timestamp(now), message=why)
+def _abort(events: list[Event], consumed: list[str], rollout: api.Rollout, canary: api.CanaryStatus, now,
+           reason: str, why: str) -> Decision:
+    record = api.RolloutRecord(candidate_revision=canary.revision, outcome="Aborted", reason=reason, at=timestamp(now),
+                               message=why)
     return Decision(
         "Aborted", None, canary, record,
         events=events + [Event("Warning", "RolloutAborted", why)],
         conditions={"RolloutAborted": (True, reason, why),
                     "AnalysisInconclusive": (False, "RolloutEnded", "")},
         consumed_annotations=consumed,
+        drain_candidate=drains(rollout, canary, record),
     )
+
+
+def drains(rollout: api.Rollout, canary: api.CanaryStatus | None, record: api.RolloutRecord) -> bool:
+    """Whether an aborted candidate keeps its ready pods until the stable's replacements are ready.
+
+    Speculative decoding is lossless: a candidate that lost on latency, acceptance or cost still
+    answers exactly as the stable would, while removing its pods before their replacements are
+    ready is capacity lost for a whole start-up (every request then misses the SLO). A candidate
+    whose errors failed the analysis, or one a user aborted by hand, leaves at once.
+    """
+    last = canary.last_analysis if canary is not None else None
+    return (record.reason == "AnalysisFailed" and last is not None and last.error_rate is not None
+            and last.error_rate <= rollout.analysis.max_error_rate)
 
 
 def _promote(events: list[Event], consumed: list[str], canary: api.CanaryStatus, now, why: str) -> Decision:
@@ -155,7 +173,8 @@ def decide(
             return Decision("Promoted", last_rollout=last_rollout)
         if not annotation_set(annotations, RETRY):
             return Decision("Aborted", None, canary, last_rollout,
-                            conditions={"RolloutAborted": (True, "Aborted", last_rollout.message)})
+                            conditions={"RolloutAborted": (True, last_rollout.reason or "Aborted", last_rollout.message)},
+                            drain_candidate=drains(rollout, canary, last_rollout))
         consumed.append(RETRY)
         events.append(Event("Normal", "RolloutRetried", f"retrying candidate {candidate_revision} (annotation {RETRY})"))
         last_rollout, canary = None, None
@@ -170,7 +189,7 @@ def decide(
 
     if annotation_set(annotations, ABORT):
         consumed.append(ABORT)
-        return _abort(events, consumed, canary, now, "Aborted", f"aborted by annotation {ABORT} at {_numbers(canary)}")
+        return _abort(events, consumed, rollout, canary, now, "Aborted", f"aborted by annotation {ABORT} at {_numbers(canary)}")
 
     if report is not None:
         result = analysis_result(report, canary, now)
@@ -185,7 +204,7 @@ def decide(
             events.append(Event("Warning", "AnalysisFailed",
                                          f"{fails}/{rollout.analysis.failure_limit} failed: {_numbers(canary)}"))
             if fails >= rollout.analysis.failure_limit:
-                return _abort(events, consumed, canary, now, "AnalysisFailed",
+                return _abort(events, consumed, rollout, canary, now, "AnalysisFailed",
                               f"analysis failed {fails} times in a row at {_numbers(canary)}")
 
     step = rollout.steps[min(canary.step, len(rollout.steps) - 1)]

@@ -245,6 +245,25 @@ def test_the_stable_keeps_the_pods_a_starting_canary_will_replace_within_the_bud
     assert replicas(0, capped) == [3, 2]  # the surge never passes the budget
 
 
+def test_a_draining_aborted_candidate_keeps_its_ready_pods_until_the_stables_replacements_are_ready(example_documents):
+    serving, profile, _ = parsed(example_documents)
+    spec = serving.spec.model_copy(update={"traffic": serving.spec.traffic.model_copy(update={"mode": "ReplicaRatio", "gateway": None}),
+                                           "replicas": serving.spec.replicas.model_copy(update={"min": 4, "max": 8})})
+
+    def replicas(stable_ready, canary_ready=2, drain=True, spec=spec):
+        traffic = Traffic("Aborted", canary_ready=canary_ready, stable_ready=stable_ready, drain_candidate=drain)
+        objects = render_all(serving.__class__(serving.name, serving.namespace, None, spec), profile, traffic=traffic)
+        return [d["spec"]["replicas"] for d in of_kind(objects, "Deployment")]
+
+    assert replicas(2) == [4, 2]  # two stable pods starting: the two ready candidate pods stay
+    assert replicas(3) == [4, 1]
+    assert replicas(4) == [4, 0]  # the stable is whole: the candidate goes
+    assert replicas(0, canary_ready=1) == [4, 1]  # never more than its ready pods: a loser never grows
+    assert replicas(2, drain=False) == [4, 0]  # errors, or aborted by hand: at once
+    routed = serving.spec.model_copy(update={"replicas": spec.replicas})  # GatewayAPI: the route sends it nothing
+    assert replicas(2, spec=routed) == [4, 0]
+
+
 def test_hourly_budget_caps_replicas(example_documents):
     serving, profile, _ = parsed(example_documents)
     spec = serving.spec.model_copy(update={"replicas": serving.spec.replicas.model_copy(update={"min": 6, "max": 6})})

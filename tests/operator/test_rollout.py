@@ -17,8 +17,9 @@ ROLLOUT = api.Rollout.model_validate({
 })
 
 
-def report(verdict: str) -> Report:
-    stable, candidate = Window("s", 60, 1, acceptance_length=None), Window("c", 60, 1, acceptance_length=3.0)
+def report(verdict: str, error_rate: float | None = 0.0) -> Report:
+    stable = Window("s", 60, 1, acceptance_length=None)
+    candidate = Window("c", 60, 1, acceptance_length=3.0, error_rate=error_rate)
     return Report(verdict, (), stable, candidate, 0.9, 1.3)
 
 
@@ -28,11 +29,11 @@ class Run:
     def __init__(self, rollout=ROLLOUT):
         self.rollout, self.canary, self.last, self.now = rollout, None, None, T0
 
-    def step(self, verdict: str | None = None, annotations=None, seconds=0, candidate="c"):
+    def step(self, verdict: str | None = None, annotations=None, seconds=0, candidate="c", error_rate=0.0):
         self.now += datetime.timedelta(seconds=seconds)
         due = analysis_due(self.rollout, self.canary, candidate, self.now, self.last)
         decision = decide(self.rollout, "s", candidate, self.canary, self.last, annotations or {},
-                          report(verdict) if verdict and due else None, self.now)
+                          report(verdict, error_rate) if verdict and due else None, self.now)
         self.canary, self.last = decision.canary, decision.last_rollout
         return decision
 
@@ -70,6 +71,29 @@ def test_failure_limit_consecutive_fails_abort_with_the_numbers():
     assert len(aborted.canary.history) == 2  # kept for inspection
     # not retried while the candidate is unchanged, however long
     assert run.step("Pass", seconds=3600).stage == "Aborted"
+
+
+def test_a_candidate_that_lost_without_errors_drains_and_the_abort_reason_holds_after_the_abort():
+    run = Run()
+    run.step()
+    run.step("Fail", seconds=60)
+    aborted = run.step("Fail", seconds=60)
+    assert aborted.stage == "Aborted" and aborted.last_rollout.reason == "AnalysisFailed"
+    assert aborted.drain_candidate  # lossless: it answers as the stable would while the stable's pods start
+    later = run.step(seconds=60)  # rebuilt from status alone: the same reason and the same drain
+    assert later.conditions["RolloutAborted"][:2] == (True, "AnalysisFailed") and later.drain_candidate
+
+
+def test_a_candidate_with_errors_or_aborted_by_hand_leaves_at_once():
+    run = Run()
+    run.step()
+    run.step("Fail", seconds=60, error_rate=0.2)
+    assert not run.step("Fail", seconds=60, error_rate=0.2).drain_candidate  # maxErrorRate 0.01 failed
+    by_hand = Run()
+    by_hand.step()
+    by_hand.step("Fail", seconds=60)
+    aborted = by_hand.step(annotations={ABORT: "true"}, seconds=5)
+    assert aborted.last_rollout.reason == "Aborted" and not aborted.drain_candidate
 
 
 def test_a_pass_resets_the_consecutive_fails():

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from specserve_operator import rollout, simulate
+from specserve_operator import render, rollout, simulate
 from specserve_operator import scenario as scenario_module
 from specserve_operator.render import replica_budget, revision_hash
 from specserve_runtime.cli import main
@@ -87,6 +87,22 @@ def test_a_candidate_slower_at_high_concurrency_is_aborted():
     result = result_of("dflash-loses-at-high-concurrency")
     assert result["decision"] == "Aborted"
     assert result["decisionAtSeconds"] is not None
+
+
+def test_a_candidate_that_lost_only_on_speed_serves_until_the_stables_replacements_are_ready():
+    """Lossless decoding: its answers are the stable's, so it leaves as the stable's pods become
+    ready rather than at once (which left one stable pod carrying the load for a start-up)."""
+    scenario = scenario_module.Scenario.model_validate(document("dflash-loses-at-high-concurrency"))
+    spec = scenario.serving
+    stable, candidate = revision_hash(spec.model, spec.speculator, spec.runtime), render.candidate_hash(spec)
+    ticks = simulate.simulate(scenario, simulate.arrivals(scenario, scenario.seed), scenario.seed).ticks
+    after = [t for t in ticks if t.stage != "Progressing"]
+    assert after[0].stage == "RollingBack"
+    assert after[0].desired[candidate] >= 1 and after[0].ready[stable] < after[0].desired[stable]
+    kept = [t.desired.get(candidate, 0) for t in after]
+    assert kept == sorted(kept, reverse=True) and kept[-1] == 0  # it never grows, and it goes
+    for tick in after:  # never more than the stable pods still starting
+        assert tick.desired.get(candidate, 0) <= max(tick.desired[stable] - tick.ready.get(stable, 0), 0)
 
 
 @pytest.mark.parametrize("name", ["prometheus-outage-mid-step", "operator-restart-mid-step"])
