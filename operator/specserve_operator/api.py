@@ -338,6 +338,11 @@ class CapacityObservation(Model):
     p99_time_to_first_token_ms: float | None = None
 
 
+class DemandPoint(Model):
+    at: str
+    requests_per_second: float
+
+
 class AutoscalingStatus(Model):
     """The autoscaler's whole state: recommendations within the stabilisation windows and the
     capacity model's observations, so a restarted operator decides as the old one would have."""
@@ -346,12 +351,16 @@ class AutoscalingStatus(Model):
     last_scale_time: str | None = None
     last_evaluation_time: str | None = None
     reason: str = ""
-    demand_requests_per_second: float | None = Field(None, description="requests finished per second, all revisions, at the last decision")
+    demand_requests_per_second: float | None = Field(
+        None, description="the requests per second the last decision sized for: the measured rate, or its rising trend's forecast"
+    )
+    demand_measured_requests_per_second: float | None = Field(None, description="requests finished per second, all revisions, at the last decision")
     demand_tokens_per_request: float | None = Field(None, description="generated tokens per finished request, at the last decision")
     predicted_p99_inter_token_latency_ms: float | None = None
     predicted_p99_time_to_first_token_ms: float | None = None
     recommendations: list[Recommendation] = []
     observations: list[CapacityObservation] = []
+    demand_history: list[DemandPoint] = Field([], description="measured demand over the trend window, oldest first")
 
 
 Phase = Literal["Pending", "Serving", "Progressing", "Promoting", "RollingBack", "Degraded", "Invalid"]

@@ -18,6 +18,12 @@ margins) must meet the SLO. During a canary the autoscaler sizes the total and t
 weight splits it (render.split_replicas): one writer of replicas; both revisions see the same
 per-replica rate, so the worse of their two models decides.
 
+Trend. A replica added now serves only after the scale-up stabilisation window and its start-up
+(replica_startup_seconds, a setting); on a rising load the count that meets the SLO now is too few
+by then. So the demand planned for is the larger of the measured one and the least-squares line
+through the last TREND_SECONDS of measured demand, read that far ahead. A falling trend is never
+planned for: scale-down waits for the measurement, as before.
+
 Bounds: spec.replicas.min / max, the profile's maxReplicas, and as many replicas as the profile's
 maxHourlyCostUSD pays for (never exceeded; when the SLO needs more, BudgetLimited with the numbers).
 
@@ -41,6 +47,8 @@ from .rollout import parse_time, timestamp
 HEADROOM = 1.2  # plan for 20% more load than measured
 UTILISATION_LIMIT = 0.85  # of a replica's saturating arrival rate (1 / B in Little's law above)
 DOWN_TOLERANCE = 0.1  # like the HPA's tolerance: noise around a boundary must not flap the count
+TREND_SECONDS = 180  # the demand trend is fitted over this much history (at least TREND_POINTS points)
+TREND_POINTS = 4
 
 
 @dataclass(frozen=True)
@@ -84,11 +92,15 @@ class ScaleDecision:
 
 @dataclass(frozen=True)
 class Demand:
-    requests_per_second: float  # finished, all revisions
+    requests_per_second: float  # finished, all revisions (or the trend's forecast of it)
     tokens_per_request: float  # generated tokens per finished request
+    measured_requests_per_second: float | None = None  # set when requests_per_second is a forecast
 
     def __str__(self) -> str:
-        return f"{self.requests_per_second:.2f} req/s x {self.tokens_per_request:.0f} tokens"
+        text = f"{self.requests_per_second:.2f} req/s x {self.tokens_per_request:.0f} tokens"
+        if self.measured_requests_per_second is not None:
+            text += f" (rising trend; measured {self.measured_requests_per_second:.2f} req/s)"
+        return text
 
 
 def demand_of(windows: list[Window]) -> tuple[Demand | None, str | None]:
@@ -101,6 +113,29 @@ def demand_of(windows: list[Window]) -> tuple[Demand | None, str | None]:
     if finished <= 0:
         return None, "no request finished in the window"
     return Demand(sum((w.finished_requests or 0) / w.seconds for w in windows), max(tokens / finished, 1.0)), None
+
+
+def trend(history: Sequence[tuple[float, float]], ahead: float) -> float | None:
+    """The least-squares line through (seconds, requests/s) points, read `ahead` seconds after the
+    last point; None with fewer than TREND_POINTS points."""
+    if len(history) < TREND_POINTS:
+        return None
+    n = len(history)
+    mean_t = sum(t for t, _ in history) / n
+    mean_r = sum(r for _, r in history) / n
+    spread = sum((t - mean_t) ** 2 for t, _ in history)
+    if spread <= 0:
+        return None
+    slope = sum((t - mean_t) * (r - mean_r) for t, r in history) / spread
+    return mean_r + slope * (history[-1][0] + ahead - mean_t)
+
+
+def planned(demand: Demand, history: Sequence[tuple[float, float]], ahead: float) -> Demand:
+    """The demand to size for: the measured one, or where a rising trend takes it `ahead` seconds on."""
+    forecast = trend(history, ahead)
+    if forecast is None or forecast <= demand.requests_per_second:
+        return demand
+    return Demand(forecast, demand.tokens_per_request, demand.requests_per_second)
 
 
 def in_flight(capacity: Capacity, rate: float, tokens_per_request: float) -> float | None:
@@ -219,11 +254,13 @@ def tick(
     current: int,
     canary: bool,
     now: datetime.datetime,
+    startup_seconds: float,
 ) -> tuple[api.AutoscalingStatus, ScaleDecision]:
     """One autoscaling step for a serving: record this tick's windows (one per serving revision) as
     capacity observations, fit the models of the revisions that will run (`deciding`), decide at
-    the demand all the windows measured. The operator and `specserve simulate`
-    both call this; everything it needs next time is in the returned status."""
+    the demand all the windows measured, or where its rising trend goes before a replica added now
+    serves (`startup_seconds` after the scale-up stabilisation window). The operator and
+    `specserve simulate` both call this; everything it needs next time is in the returned status."""
     at = timestamp(now)
     serving = {w.revision for w in windows}
     observations = [o for o in status.observations if o.revision in serving]
@@ -245,6 +282,12 @@ def tick(
             capacities.append(model)
 
     demand, missing = demand_of(windows)
+    now_s = parse_time(at)
+    history = [p for p in status.demand_history if (now_s - parse_time(p.at)).total_seconds() < TREND_SECONDS]
+    if demand is not None:
+        history.append(api.DemandPoint(at=at, requests_per_second=demand.requests_per_second))
+        points = [((parse_time(p.at) - now_s).total_seconds(), p.requests_per_second) for p in history]
+        demand = planned(demand, points, spec.autoscaling.scale_up_stabilization_seconds + startup_seconds)
     decision = decide(current, demand, capacities, slo, limits(spec, profile, canary), spec.autoscaling,
                       [(r.at, r.replicas) for r in status.recommendations], now, missing)
     changed = decision.replicas != current
@@ -253,10 +296,12 @@ def tick(
         last_scale_time=at if changed else status.last_scale_time,
         reason=decision.reason,
         demand_requests_per_second=decision.demand.requests_per_second if decision.demand else None,
+        demand_measured_requests_per_second=history[-1].requests_per_second if demand is not None else None,
         demand_tokens_per_request=decision.demand.tokens_per_request if decision.demand else None,
         predicted_p99_inter_token_latency_ms=decision.predicted_p99_inter_token_latency_ms,
         predicted_p99_time_to_first_token_ms=decision.predicted_p99_time_to_first_token_ms,
         recommendations=[api.Recommendation(at=a, replicas=n) for a, n in decision.recommendations],
         observations=sorted(kept, key=lambda o: (o.at, o.revision)),
+        demand_history=history,
     )
     return new_status, decision

@@ -54,7 +54,7 @@ class Autoscaler:
     def __call__(self, now, windows) -> None:
         revisions = [w.revision for w in windows]
         self.status, decision = autoscale.tick(self.status, windows, revisions, {}, self.spec, self.profile,
-                                               self.plan.slo, len(windows), True, now)
+                                               self.plan.slo, len(windows), True, now, startup_seconds=0.0)
         self.decisions.append({"at": now.strftime("%Y-%m-%dT%H:%M:%SZ"), "replicas": decision.replicas,
                                "reason": decision.reason})
         say(f"       autoscaler: {decision.replicas} replica(s) for this load: {decision.reason}")

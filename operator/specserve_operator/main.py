@@ -52,6 +52,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_):
         operator_namespace=os.environ.get("SPECSERVE_OPERATOR_NAMESPACE", "specserve-system"),
         autoscale_interval_seconds=float(os.environ.get("SPECSERVE_AUTOSCALE_INTERVAL_SECONDS", "30")),
         capacity_priors=load_capacity_priors(Path(priors)) if (priors := os.environ.get("SPECSERVE_CAPACITY_PRIORS")) else {},
+        replica_startup_seconds=float(os.environ.get("SPECSERVE_REPLICA_STARTUP_SECONDS", "120")),
     )
     # Canary measurements: Prometheus when configured, else the runtime pods' /metrics directly.
     prometheus = os.environ.get("SPECSERVE_PROMETHEUS_URL", "").strip()

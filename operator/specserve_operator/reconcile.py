@@ -160,7 +160,7 @@ def autoscale_serving(cluster: Cluster, source, serving: Serving, profile: Profi
                                         settings.autoscale_interval_seconds)
     priors = {r.hash: settings.capacity_priors.get(r.speculator.method, ()) for r in running}
     status, scale = autoscale.tick(previous, windows, [r.hash for r in running], priors, spec, profile.spec, effective_slo(spec, profile), current,
-                                   decision.stage == "Canary", now)
+                                   decision.stage == "Canary", now, settings.replica_startup_seconds)
     status = status.model_copy(update={"last_evaluation_time": timestamp(now)})
     result = Scaling(scale.replicas, status, fleet_metrics(windows) or old_status.get("metrics"))
     if scale.replicas != current:

@@ -76,6 +76,9 @@ class Settings:
     # The autoscaler's capacity prior per speculator method, until measured windows outweigh it
     # (capacity.py): SPECSERVE_CAPACITY_PRIORS in the operator, the scenario's performance in the simulator.
     capacity_priors: Mapping[str, Sequence[Point]] = field(default_factory=dict)
+    # How long a new runtime replica takes to serve (image pull, model load): the autoscaler plans a
+    # rising demand this far ahead (SPECSERVE_REPLICA_STARTUP_SECONDS; a scenario's startupSeconds).
+    replica_startup_seconds: float = 120.0
 
 
 def revision_hash(model: api.ModelRef, speculator: api.Speculator, runtime: api.RuntimeSpec) -> str:

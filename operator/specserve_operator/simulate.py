@@ -683,7 +683,8 @@ class Operator:
         self.cluster = SimulatedCluster(fleet, scenario, scenario.serving.model_copy(update={"rollout": None}))
         self.source = SimulatedPrometheus(fleet)
         self.settings = Settings(autoscale_interval_seconds=scenario.tick_seconds,
-                                 capacity_priors=capacity_priors(scenario.performance))
+                                 capacity_priors=capacity_priors(scenario.performance),
+                                 replica_startup_seconds=scenario.startup_seconds)
         self.tick(0.0, outage=False)
         if scenario.serving.rollout is not None:
             self.cluster.update_spec(scenario.serving)

@@ -27,6 +27,7 @@ class MethodStats:
     decode_tps: list[float] = field(default_factory=list)  # per prompt: median over repeats
     e2e_tps: list[float] = field(default_factory=list)
     decode_seconds: float = 0.0
+    ttft_ms: list[float] = field(default_factory=list)  # per prompt: the prefill that yields the first token
     lossless: bool | None = True  # None: not checkable (sampled runs differ by design)
     by_category: dict[str, list[float]] = field(default_factory=dict)  # category -> per-prompt tau
 
@@ -83,6 +84,7 @@ def run_bench(model: LoadedModel, methods: list[str], baselines: list[str], prom
             s.decode_tps.append(len(result.token_ids) / max(result.decode_seconds, 1e-9))
             s.e2e_tps.append(len(result.token_ids) / seconds)
             s.decode_seconds += result.decode_seconds
+            s.ttft_ms.append(result.prefill_seconds * 1000)
             s.by_category.setdefault(record.get("category", "all"), []).append(result.acceptance_length)
             if method == "ar":
                 reference = result.token_ids
@@ -128,6 +130,7 @@ def summarize(stats: dict[str, MethodStats]) -> dict:
             "acceptance_length": round(s.acceptance_length, 3) if not name.startswith("hf-") else None,
             "tokens_per_second": round(tps, 2),
             "decode_tokens_per_second": round(statistics.median(s.decode_tps), 2) if s.decode_tps else None,
+            "ttft_ms": round(statistics.median(s.ttft_ms), 1) if s.ttft_ms else None,
             "speedup_vs_ar": round(statistics.median(s.decode_tps) / ar_decode, 3) if s.decode_tps and ar_decode else
             (round(tps / statistics.median(ar.e2e_tps), 3) if ar else None),
             "lossless": s.lossless,
@@ -136,6 +139,33 @@ def summarize(stats: dict[str, MethodStats]) -> dict:
         }
         summary[name] = entry
     return {"methods": summary}
+
+
+# A bench method as a SpeculativeServing names it: plain decoding (`ar`) is method `none` there.
+SCENARIO_METHODS = {"ar": "none", "ngram": "ngram", "eagle3": "eagle3", "dflash": "dflash"}
+
+
+def scenario_method(name: str) -> str:
+    return SCENARIO_METHODS[method_spec(name)[0]]
+
+
+def performance_block(summary: dict) -> dict:
+    """The measured methods as a `performance` block (docs/simulator.md), what `specserve simulate`
+    scenarios and the operator's SPECSERVE_CAPACITY_PRIORS read; one bench variant per method.
+
+    The embedded engine decodes one sequence at a time (no batching yet), so a method's curve is
+    one row at concurrency 1, its median decode tokens/s and prefill time over the prompts, and
+    maxConcurrency 1: further requests wait, which the simulator counts in their TTFT. Bench
+    requests do not fail: errorRate 0.
+    """
+    block = {}
+    for name, entry in summary["methods"].items():
+        if name.startswith("hf-"):
+            continue
+        row = {"concurrency": 1, "tokensPerSecondPerRequest": entry["decode_tokens_per_second"], "ttftMs": entry["ttft_ms"]}
+        block[scenario_method(name)] = {"acceptanceLength": entry["acceptance_length"], "errorRate": 0.0,
+                                        "maxConcurrency": 1, "curve": [row]}
+    return block
 
 
 def table(summary: dict) -> str:

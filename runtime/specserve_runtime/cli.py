@@ -231,7 +231,7 @@ def cmd_launch(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from .bench import decode_floor, method_spec, run_bench, summarize, table
+    from .bench import decode_floor, method_spec, performance_block, run_bench, scenario_method, summarize, table
     from .loader import load_model
     from .training.prompts import PROMPTS_FILE
 
@@ -243,6 +243,9 @@ def cmd_bench(args) -> None:
         raise UsageError(f"unknown method or baseline: {', '.join(unknown)} (methods {', '.join(METHODS)}; baselines hf, prompt-lookup)")
     if args.repeats < 1 or args.max_new_tokens < 1:
         raise UsageError("--repeats and --max-new-tokens must be >= 1")
+    emitted = [scenario_method(m) for m in methods]
+    if args.emit_performance and len(set(emitted)) < len(emitted):
+        raise UsageError(f"--emit-performance writes one row per method: --methods {args.methods} has two variants of one")
     if args.prompts_file:
         prompts = [{"prompt": p} for p in read_prompts(None, args.prompts_file)]
     else:  # the project's held-out evaluation split, a few prompts of each kind
@@ -266,8 +269,20 @@ def cmd_bench(args) -> None:
               f"bare matrix-product chain: {kernels['matmul_floor_ms']} ms")
         print("verify forward (ms) by tokens verified (last token + drafts): "
               + ", ".join(f"{n}: {ms}" for n, ms in kernels["verify_ms_by_tokens"].items()))
+    if args.emit_performance:
+        write_performance(performance_block(summary), Path(args.emit_performance))
     if args.json:
         print(json.dumps(summary))
+
+
+def write_performance(block: dict, path: Path) -> None:
+    """Checked by the scenario file's own model before it is written: what simulate will read."""
+    import yaml
+    from specserve_operator.scenario import Performance
+
+    Performance.model_validate(block)
+    path.write_text(yaml.safe_dump(block, sort_keys=False))
+    print(f"wrote the performance block of {', '.join(block)} to {path}", file=sys.stderr)
 
 
 def build_parser() -> Parser:
@@ -326,6 +341,8 @@ def build_parser() -> Parser:
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--kernels", action="store_true", help="also time one decode step against the matmul floor")
     bench.add_argument("--json", action="store_true", help="the last line of stdout is a JSON summary")
+    bench.add_argument("--emit-performance", metavar="FILE",
+                       help="write the methods' measured `performance` block (docs/simulator.md) to FILE")
     bench.set_defaults(run=cmd_bench)
 
     distill = commands.add_parser("distill", help="generate self-distilled drafter training data (resumable)")

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specserve_operator import api
+from specserve_operator import api, autoscale
 from specserve_operator.autoscale import (
     HEADROOM, UTILISATION_LIMIT, Demand, Limits, decide, demand_of, in_flight, limits, max_step_down, max_step_up,
-    prior_points, tick,
+    prior_points, tick, trend,
 )
 from specserve_operator.capacity import OBSERVATIONS, Point, fit
 from specserve_operator.measure import Target, Window
@@ -178,15 +178,52 @@ def test_tick_carries_everything_in_status():
         window = Window("abc", 30, 2, in_flight_per_replica=3.0, p99_inter_token_latency_ms=15.0,
                         p99_time_to_first_token_ms=80.0, generated_tokens=9000, finished_requests=60)
         status, decision = tick(status, [window], ["abc"], prior, spec, profile, profile.slo, 2, False,
-                                T0 + datetime.timedelta(seconds=30 * index))
+                                T0 + datetime.timedelta(seconds=30 * index), startup_seconds=120)
         status = api.AutoscalingStatus.model_validate(status.model_dump(by_alias=True, mode="json"))  # as status stores it
     assert len(status.observations) == OBSERVATIONS  # bounded
     assert status.desired_replicas == decision.replicas
     assert (status.demand_requests_per_second, status.demand_tokens_per_request) == (2.0, 150.0)
     missing = Window("abc", 30, 2, missing="prometheus outage")
-    held, no_data = tick(status, [missing], ["abc"], prior, spec, profile, profile.slo, 3, False, T0 + datetime.timedelta(hours=1))
+    held, no_data = tick(status, [missing], ["abc"], prior, spec, profile, profile.slo, 3, False, T0 + datetime.timedelta(hours=1),
+                         startup_seconds=120)
     assert no_data.replicas == 3 and "prometheus outage" in no_data.reason
     assert len(held.observations) == OBSERVATIONS  # nothing recorded from a window without data
+
+
+def test_the_trend_is_the_least_squares_line_read_ahead():
+    line = [(t, 2.0 + 0.1 * t) for t in (-45.0, -30.0, -15.0, 0.0)]
+    assert trend(line, 60) == pytest.approx(8.0)  # 2 + 0.1 x 60
+    assert trend(line[1:], 60) is None  # too few points to call it a trend
+    assert trend([(t, 5.0) for t in (-45.0, -30.0, -15.0, 0.0)], 600) == pytest.approx(5.0)
+
+
+def test_a_rising_demand_is_planned_for_a_start_up_ahead_and_a_falling_one_is_not():
+    spec = api.SpeculativeServingSpec.model_validate({
+        "profile": "p", "model": {"name": "m", "uri": "hf://m", "servedName": "m"},
+        "replicas": {"min": 1, "max": 40}, "autoscaling": {"enabled": True, "scaleUpStabilizationSeconds": 60}})
+    profile = api.ServingProfileSpec.model_validate({
+        "tenant": "t", "accelerator": {"pricePerHourUSD": 2.0}, "slo": {"p99InterTokenLatencyMs": 40}})
+    prior = {"abc": prior_points([{"concurrency": 1, "tokensPerSecondPerRequest": 100, "ttftMs": 50},
+                                  {"concurrency": 8, "tokensPerSecondPerRequest": 50, "ttftMs": 200}])}
+
+    def run(rates):
+        status, decisions = api.AutoscalingStatus(), []
+        for index, rate in enumerate(rates):
+            window = Window("abc", 15, 2, in_flight_per_replica=3.0, p99_inter_token_latency_ms=15.0,
+                            p99_time_to_first_token_ms=80.0, generated_tokens=100 * rate * 15, finished_requests=rate * 15)
+            status, decision = tick(status, [window], ["abc"], prior, spec, profile, profile.slo, 2, False,
+                                    T0 + datetime.timedelta(seconds=15 * index), startup_seconds=120)
+            decisions.append(decision)
+        return status, decisions
+
+    status, rising = run([2.0 + 0.1 * 15 * i for i in range(20)])  # +0.1 req/s every second
+    last = rising[-1].demand
+    assert last.measured_requests_per_second == pytest.approx(30.5)
+    assert last.requests_per_second == pytest.approx(30.5 + 0.1 * 180)  # 60 s stabilisation + 120 s start-up ahead
+    assert "rising trend; measured 30.50 req/s" in rising[-1].reason
+    assert len(status.demand_history) == autoscale.TREND_SECONDS // 15  # only the trend window is kept
+    _, falling = run([30.0 - 0.1 * 15 * i for i in range(20)])
+    assert all(d.demand.measured_requests_per_second is None for d in falling)  # sized on what is measured
 
 
 # ----- properties over any demand, model and bounds -------------------------------------------------

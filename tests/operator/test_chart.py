@@ -139,6 +139,7 @@ EVERYTHING_ON = {
     **MONITORING_ON,
     "allNamespaces": False, "namespaces": ["team-a"],
     "autoscaleIntervalSeconds": 15,
+    "replicaStartupSeconds": 300,
     "capacityPriors": PRIORS,
     "profiles": {"team-a-h100": {"tenant": "team-a", "accelerator": {"pricePerHourUSD": 2.49},
                                  "limits": {"maxReplicas": 8, "maxHourlyCostUSD": 40}}},
@@ -168,7 +169,18 @@ def test_every_option_on_renders_valid_objects_the_operator_can_read(chart, tmp_
     assert env["SPECSERVE_CAPACITY_PRIORS"] == f"{mount['mountPath']}/capacity-priors.yaml"
     assert pod["volumes"][0]["configMap"]["name"] == config_map["metadata"]["name"]
     assert env["SPECSERVE_AUTOSCALE_INTERVAL_SECONDS"] == "15"
+    assert env["SPECSERVE_REPLICA_STARTUP_SECONDS"] == "300"
     assert container["args"] == ["operator", "--namespace=team-a"]
+
+
+def test_a_measured_performance_block_is_a_capacity_prior_the_operator_loads(chart, tmp_path):
+    """What `specserve bench --emit-performance` wrote goes into the chart as it is."""
+    from specserve_operator.scenario import load_capacity_priors
+
+    measured = yaml.safe_load(Path("docs/examples/performance-embedded-cpu.yaml").read_text())
+    config_map = next(o for o in rendered_objects(chart, {"capacityPriors": measured}) if o["kind"] == "ConfigMap")
+    (path := tmp_path / "priors.yaml").write_text(config_map["data"]["capacity-priors.yaml"])
+    assert set(load_capacity_priors(path)) == {"none", "ngram", "eagle3", "dflash"}
 
 
 def test_the_operator_pod_is_hardened(chart):
@@ -200,6 +212,7 @@ def test_the_operator_pod_is_hardened(chart):
     ({"podMonitor": {"enabled": True, "lables": {}}}, "lables"),
     ({"prometheus": {"url": "prometheus:9090"}}, "/prometheus/url"),
     ({"autoscaleIntervalSeconds": 0}, "/autoscaleIntervalSeconds"),
+    ({"replicaStartupSeconds": -1}, "/replicaStartupSeconds"),
     ({"capacityPriors": {"dflash": {"curve": [{"concurrency": 1, "tokensPerSecond": 5, "ttftMs": 1}]}}}, "tokensPerSecond"),
     ({"resources": {"limits": {"gpu": 1}}}, "gpu"),
     ({"imagePullPolicy": "Always"}, "imagePullPolicy"),

@@ -1,6 +1,10 @@
 """The benchmark's arithmetic and its JSON contract (the run itself is a command, not a test)."""
 
+import json
+
+import pytest
 import torch
+import yaml
 
 from specserve_runtime.bench import MethodStats, summarize, table
 from specserve_runtime.drafters import ProposerOptions
@@ -48,8 +52,6 @@ def test_separate_projections_compute_the_same_and_restore_the_fusion(tiny_llama
 
 
 def test_method_spec_sets_the_speculative_tokens():
-    import pytest
-
     from specserve_runtime.bench import method_spec
 
     assert method_spec("dflash") == ("dflash", ProposerOptions())
@@ -57,3 +59,57 @@ def test_method_spec_sets_the_speculative_tokens():
     for bad in ("dflash:0", "dflash:x"):
         with pytest.raises(ValueError, match="speculative tokens per step"):
             method_spec(bad)
+
+
+def test_the_performance_block_is_what_simulate_and_the_operator_read(tmp_path):
+    from specserve_operator.scenario import load_capacity_priors
+    from specserve_runtime.bench import performance_block
+    from specserve_runtime.cli import write_performance
+
+    summary = summarize({
+        "ar": stats(tokens=100, target_forwards=100, decode_tps=[10.0, 12.0, 11.0], e2e_tps=[9.0], ttft_ms=[40.0, 60.0, 50.0]),
+        "dflash:3": stats(tokens=100, target_forwards=40, accepted=60, drafts=40, decode_tps=[20.0, 24.0, 22.0],
+                          e2e_tps=[20.0], ttft_ms=[55.0, 45.0, 65.0]),
+        "hf-greedy": stats(tokens=100, e2e_tps=[8.0]),
+    })
+    block = performance_block(summary)
+    assert list(block) == ["none", "dflash"]  # ar is method none in a SpeculativeServing; baselines are not methods
+    assert block["dflash"] == {"acceptanceLength": 2.5, "errorRate": 0.0, "maxConcurrency": 1,
+                               "curve": [{"concurrency": 1, "tokensPerSecondPerRequest": 22.0, "ttftMs": 55.0}]}
+    write_performance(block, path := tmp_path / "performance.yaml")
+    priors = load_capacity_priors(path)  # the operator's SPECSERVE_CAPACITY_PRIORS reads it as is
+    assert priors["dflash"][0].in_flight_per_replica == 1 and priors["none"][0].p99_time_to_first_token_ms == 50.0
+
+
+def test_emit_performance_refuses_two_variants_of_one_method_before_loading_anything(capsys, tmp_path):
+    from specserve_runtime.cli import main
+
+    assert main(["bench", "--methods", "ar,eagle3,eagle3:4", "--emit-performance", str(tmp_path / "p.yaml")]) == 2
+    assert "--emit-performance writes one row per method" in capsys.readouterr().err
+    assert not (tmp_path / "p.yaml").exists()
+
+
+@pytest.mark.slow
+def test_bench_emits_a_performance_block_that_a_scenario_runs_on(tmp_path, capsys):
+    from specserve_runtime.cli import main
+
+    performance = tmp_path / "performance.yaml"
+    assert main(["bench", "--methods", "ar,eagle3", "--per-category", "1", "--limit", "2", "--max-new-tokens", "16",
+                 "--emit-performance", str(performance)]) == 0
+    block = yaml.safe_load(performance.read_text())
+    assert set(block) == {"none", "eagle3"} and block["eagle3"]["acceptanceLength"] > 1
+    scenario = {
+        "durationSeconds": 300, "seed": 1, "tickSeconds": 15, "startupSeconds": 30,
+        "profile": {"tenant": "cpu", "accelerator": {"resourceName": "cpu", "count": 0, "pricePerHourUSD": 0.1}},
+        "serving": {"profile": "cpu", "model": {"name": "SmolLM2-135M-Instruct", "uri": "hf://HuggingFaceTB/SmolLM2-135M-Instruct",
+                                                "servedName": "smollm2"},
+                    "speculator": {"method": "eagle3", "draftModel": "bundled://smollm2-135m-instruct-eagle3"},
+                    "replicas": {"min": 1, "max": 4}, "autoscaling": {"enabled": True}},
+        "load": {"requestsPerSecond": [{"atSeconds": 0, "requestsPerSecond": 0.2}], "promptTokens": 40, "outputTokens": 16},
+        "performance": block,
+    }
+    (path := tmp_path / "scenario.yaml").write_text(yaml.safe_dump(scenario))
+    capsys.readouterr()
+    assert main(["simulate", "--scenario", str(path), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["generatedTokens"] > 0 and 0 <= result["sloAttainment"] <= 1
