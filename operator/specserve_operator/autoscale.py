@@ -281,13 +281,13 @@ def tick(
         if model is not None:
             capacities.append(model)
 
-    demand, missing = demand_of(windows)
-    now_s = parse_time(at)
+    measured, missing = demand_of(windows)
+    now_s, demand = parse_time(at), None
     history = [p for p in status.demand_history if (now_s - parse_time(p.at)).total_seconds() < TREND_SECONDS]
-    if demand is not None:
-        history.append(api.DemandPoint(at=at, requests_per_second=demand.requests_per_second))
+    if measured is not None:
+        history.append(api.DemandPoint(at=at, requests_per_second=measured.requests_per_second))
         points = [((parse_time(p.at) - now_s).total_seconds(), p.requests_per_second) for p in history]
-        demand = planned(demand, points, spec.autoscaling.scale_up_stabilization_seconds + startup_seconds)
+        demand = planned(measured, points, spec.autoscaling.scale_up_stabilization_seconds + startup_seconds)
     decision = decide(current, demand, capacities, slo, limits(spec, profile, canary), spec.autoscaling,
                       [(r.at, r.replicas) for r in status.recommendations], now, missing)
     changed = decision.replicas != current
@@ -296,7 +296,7 @@ def tick(
         last_scale_time=at if changed else status.last_scale_time,
         reason=decision.reason,
         demand_requests_per_second=decision.demand.requests_per_second if decision.demand else None,
-        demand_measured_requests_per_second=history[-1].requests_per_second if demand is not None else None,
+        demand_measured_requests_per_second=measured.requests_per_second if measured else None,
         demand_tokens_per_request=decision.demand.tokens_per_request if decision.demand else None,
         predicted_p99_inter_token_latency_ms=decision.predicted_p99_inter_token_latency_ms,
         predicted_p99_time_to_first_token_ms=decision.predicted_p99_time_to_first_token_ms,
