@@ -16,6 +16,7 @@ from pathlib import Path
 
 from . import api, autoscale
 from .canary import CanaryError, Plan, add_rollout_flags, make_plan, run_to_the_end, say
+from .rollout import parse_time, timestamp
 
 DEFAULTS = {
     "stable": "method=eagle3",
@@ -55,7 +56,7 @@ class Autoscaler:
         revisions = [w.revision for w in windows]
         self.status, decision = autoscale.tick(self.status, windows, revisions, {}, self.spec, self.profile,
                                                self.plan.slo, len(windows), True, now, startup_seconds=0.0)
-        self.decisions.append({"at": now.strftime("%Y-%m-%dT%H:%M:%SZ"), "replicas": decision.replicas,
+        self.decisions.append({"at": timestamp(now), "replicas": decision.replicas,
                                "reason": decision.reason})
         say(f"       autoscaler: {decision.replicas} replica(s) for this load: {decision.reason}")
 
@@ -134,11 +135,11 @@ def write_charts(plan: Plan, outcome, out: Path) -> list[str]:
     roles = {"stable": plan.stable.describe(), "candidate": plan.candidate.describe()}
 
     figure, axis = plt.subplots(figsize=(7, 4))
+    per_position = {role: revision_report(analyses, role)["acceptedPerPosition"] for role in roles}
     for offset, role in ((-0.2, "stable"), (0.2, "candidate")):
-        per_position = revision_report(analyses, role)["acceptedPerPosition"]
-        axis.bar([i + 1 + offset for i in range(len(per_position))], per_position, width=0.4,
+        axis.bar([i + 1 + offset for i in range(len(per_position[role]))], per_position[role], width=0.4,
                  label=f"{role}: {roles[role]}")
-    axis.set_xticks(range(1, max(len(revision_report(analyses, r)["acceptedPerPosition"]) for r in roles) + 1))
+    axis.set_xticks(range(1, max(len(p) for p in per_position.values()) + 1))
     axis.set_xlabel("draft position")
     axis.set_ylabel("accepted / drafted")
     axis.set_title("Acceptance by draft position")
@@ -171,9 +172,7 @@ def write_charts(plan: Plan, outcome, out: Path) -> list[str]:
 
 
 def _seconds(analyses: list[dict]) -> list[float]:
-    import datetime
-
-    times = [datetime.datetime.strptime(a["at"], "%Y-%m-%dT%H:%M:%SZ") for a in analyses]
+    times = [parse_time(a["at"]) for a in analyses]
     return [(t - times[0]).total_seconds() for t in times]
 
 
@@ -209,7 +208,7 @@ def cmd_demo(args) -> int:
         return 1
     charts = write_charts(plan, outcome, out) if outcome.analyses else []
     result = report(plan, outcome, autoscaler, charts)
-    (out / "report.json").parent.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result) if args.json else text_report(result), flush=True)
     return code or 0

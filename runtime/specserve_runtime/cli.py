@@ -243,9 +243,12 @@ def cmd_bench(args) -> None:
         raise UsageError(f"unknown method or baseline: {', '.join(unknown)} (methods {', '.join(METHODS)}; baselines hf, prompt-lookup)")
     if args.repeats < 1 or args.max_new_tokens < 1:
         raise UsageError("--repeats and --max-new-tokens must be >= 1")
-    emitted = [scenario_method(m) for m in methods]
-    if args.emit_performance and len(set(emitted)) < len(emitted):
-        raise UsageError(f"--emit-performance writes one row per method: --methods {args.methods} has two variants of one")
+    if args.emit_performance:  # refused before the run, not after minutes of it
+        emitted = [scenario_method(m) for m in methods]
+        if len(set(emitted)) < len(emitted):
+            raise UsageError(f"--emit-performance writes one row per method: --methods {args.methods} has two variants of one")
+        if not Path(args.emit_performance).parent.is_dir():
+            raise UsageError(f"--emit-performance {args.emit_performance}: no such directory")
     if args.prompts_file:
         prompts = [{"prompt": p} for p in read_prompts(None, args.prompts_file)]
     else:  # the project's held-out evaluation split, a few prompts of each kind

@@ -87,6 +87,8 @@ def test_emit_performance_refuses_two_variants_of_one_method_before_loading_anyt
     assert main(["bench", "--methods", "ar,eagle3,eagle3:4", "--emit-performance", str(tmp_path / "p.yaml")]) == 2
     assert "--emit-performance writes one row per method" in capsys.readouterr().err
     assert not (tmp_path / "p.yaml").exists()
+    assert main(["bench", "--methods", "ar", "--emit-performance", str(tmp_path / "absent" / "p.yaml")]) == 2
+    assert f"{tmp_path / 'absent' / 'p.yaml'}: no such directory" in capsys.readouterr().err
 
 
 @pytest.mark.slow
