@@ -15,6 +15,10 @@ DEFAULT_PORT = 8000
 # `draftModel: bundled://NAME` as this folder + NAME; the wheel carries them as package data.
 BUNDLED_DRAFTERS_DIR = "/opt/specserve/drafters"
 BUNDLED_DRAFTERS = ("smollm2-135m-instruct-dflash", "smollm2-135m-instruct-eagle3")
+# The embedded engine's batch: requests decoded together, and tokens per engine step (verify
+# blocks first, then prompt chunks). vLLM's flags of the same names mean the same.
+DEFAULT_MAX_NUM_SEQS = 8
+DEFAULT_TOKEN_BUDGET = 512
 
 
 class RuntimeConfig(BaseModel):

@@ -2,16 +2,26 @@
 
 One loop serves every method. Plain autoregressive decoding is the same loop with a proposer
 that never drafts, so the baseline is measured by the same code as the speculative methods.
+
+The loop is batched (continuous batching, as in vLLM's v1 scheduler): `step` runs one target
+forward for every sequence in the batch, and sequences join or leave between steps. Running
+sequences go first, each verifying its drafts; what is left of the step's token budget
+prefills waiting prompts, in chunks, so a long prompt never stalls the decodes beside it.
+Every sequence has its own KV cache, drafter state and random generator, so its output is
+exactly what it would be alone.
 """
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
+from .config import DEFAULT_TOKEN_BUDGET
 from .drafters import Proposer
-from .model import Transformer
+from .kv_cache import KVCache
+from .model import Segment, Transformer
 from .verify import SamplingParams, accept, target_tokens
 
 
@@ -93,47 +103,84 @@ class StopChecker:
         return text[: self.stop_at] if truncate and self.stop_at is not None else text
 
 
-class Engine:
-    def __init__(self, target: Transformer, tokenizer, proposer: Proposer, eos_ids: set[int]):
-        self.target, self.tokenizer, self.proposer, self.eos_ids = target, tokenizer, proposer, eos_ids
+@dataclass
+class Sequence:
+    """One request inside the engine: its tokens, caches and progress."""
 
-    def stream(self, request: Request, stats: Result | None = None) -> Iterator[Step]:
-        """Yield each target forward's committed tokens; `stats`, if given, is filled as it goes."""
-        target, proposer = self.target, self.proposer
-        stats = stats or Result.empty(request)
-        stopper = StopChecker(self.tokenizer, self.eos_ids, request)
-        generator = torch.Generator().manual_seed(request.seed)
+    request: Request
+    stats: Result
+    stopper: StopChecker
+    generator: torch.Generator
+    cache: KVCache
+    proposer: Proposer  # this sequence's own copy: drafter state is per sequence
+    capacity: int
+    tokens: list[int]  # prompt + committed tokens
+    num_prefilled: int = 0  # prompt tokens already in the cache
+    finish_reason: str | None = None
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float = 0.0
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_prefilled < len(self.request.prompt_ids)
+
+
+class Engine:
+    def __init__(self, target: Transformer, tokenizer, proposer: Proposer, eos_ids: set[int],
+                 token_budget: int = DEFAULT_TOKEN_BUDGET):
+        if token_budget < 1:
+            raise ValueError(f"the token budget per step must be >= 1, got {token_budget}")
+        self.target, self.tokenizer, self.proposer, self.eos_ids = target, tokenizer, proposer, eos_ids
+        self.token_budget = token_budget
+
+    def add(self, request: Request, stats: Result | None = None) -> Sequence:
+        """A new sequence, ready to join the next step; `stats`, if given, is filled as it runs."""
         # Room for the prompt, every new token and one block of drafts past the last one.
         capacity = len(request.prompt_ids) + request.max_new_tokens + 64
-        cache = target.new_cache(capacity)
+        proposer = copy.copy(self.proposer)  # shares the drafter's weights; begin() gives it fresh state
         proposer.begin(capacity)
+        return Sequence(request, stats or Result.empty(request), StopChecker(self.tokenizer, self.eos_ids, request),
+                        torch.Generator().manual_seed(request.seed), self.target.new_cache(capacity), proposer,
+                        capacity, list(request.prompt_ids))
 
-        started = time.perf_counter()
-        out = target(torch.tensor(request.prompt_ids), cache, proposer.tap_layers, last_logits_only=True)
-        proposer.extend_context(out.taps)
-        tokens = list(request.prompt_ids) + target_tokens(out.logits, request.sampling, generator).tolist()
-        stats.prefill_seconds = time.perf_counter() - started
-        step = _commit(stopper, tokens[-1:], 0, 0)
-        yield step
+    def step(self, batch: list[Sequence]) -> list[Step | None]:
+        """One target forward for the batch. Returns, per sequence, what it committed, or None for a
+        prompt still being prefilled. A finished sequence must leave the batch."""
+        if any(sequence.finish_reason for sequence in batch):
+            raise ValueError("a finished sequence cannot take another step")
+        budget = self.token_budget
+        work: list[tuple[Sequence, list[int], list[int] | None]] = []  # (sequence, new tokens, drafts)
+        for sequence in batch:
+            if not sequence.prefilling:  # running sequences first: verify [last committed token, drafts...]
+                drafts = self._propose(sequence)
+                work.append((sequence, sequence.tokens[-1:] + drafts, drafts))
+                budget -= 1 + len(drafts)
+        for sequence in batch:
+            if sequence.prefilling and budget > 0:
+                chunk = sequence.request.prompt_ids[sequence.num_prefilled : sequence.num_prefilled + budget]
+                work.append((sequence, chunk, None))
+                budget -= len(chunk)
+        segments = []
+        for sequence, new_tokens, drafts in work:
+            completes_prompt = sequence.num_prefilled + len(new_tokens) == len(sequence.request.prompt_ids)
+            num_logits = len(new_tokens) if drafts is not None else int(completes_prompt)
+            segments.append(Segment(torch.tensor(new_tokens), sequence.cache, num_logits))
+        outputs = self.target.forward_batch(segments, self.proposer.tap_layers)
+        steps = {}
+        for (sequence, new_tokens, drafts), out in zip(work, outputs):
+            if drafts is None:
+                steps[id(sequence)] = self._prefilled(sequence, len(new_tokens), out)
+            else:
+                steps[id(sequence)] = self._verified(sequence, drafts, out)
+        return [steps.get(id(sequence)) for sequence in batch]
 
-        started = time.perf_counter()
-        while step.finish_reason is None:
-            remaining = request.max_new_tokens - len(stopper.token_ids)
-            drafts = proposer.propose(tokens, max_drafts=min(remaining - 1, capacity - cache.length - 2))
-            # Verify [last committed token, drafts...] in one forward at positions cache.length...
-            out = target(torch.tensor(tokens[-1:] + drafts), cache, proposer.tap_layers)
-            committed = accept(torch.tensor(drafts, dtype=torch.long), out.logits, request.sampling, generator)
-            num_accepted = len(committed) - 1
-            # The cache now holds the whole block; keep the last committed token and the accepted
-            # drafts. The bonus token is not in the cache yet: it opens the next block.
-            cache.crop(cache.length - len(drafts) + num_accepted)
-            proposer.extend_context(None if out.taps is None else out.taps[: num_accepted + 1])
-            tokens += committed
-            _record(stats, len(drafts), num_accepted)
-            step = _commit(stopper, committed, len(drafts), num_accepted)
-            yield step
-        stats.decode_seconds = time.perf_counter() - started
-        stats.token_ids, stats.text, stats.finish_reason = stopper.token_ids, stopper.text(), step.finish_reason
+    def stream(self, request: Request, stats: Result | None = None) -> Iterator[Step]:
+        """Yield each target forward's committed tokens for one request decoded alone."""
+        sequence = self.add(request, stats)
+        while sequence.finish_reason is None:
+            (step,) = self.step([sequence])
+            if step is not None:
+                yield step
 
     def generate(self, request: Request) -> Result:
         result = Result.empty(request)
@@ -141,16 +188,46 @@ class Engine:
             pass
         return result
 
+    def _propose(self, sequence: Sequence) -> list[int]:
+        remaining = sequence.request.max_new_tokens - len(sequence.stopper.token_ids)
+        room = sequence.capacity - sequence.cache.length - 2
+        return sequence.proposer.propose(sequence.tokens, max_drafts=min(remaining - 1, room))
 
-def _commit(stopper: StopChecker, committed: list[int], num_draft_tokens: int, num_accepted: int) -> Step:
-    emitted, finish_reason = [], None
-    for token in committed:
-        before = len(stopper.token_ids)
-        finish_reason = stopper.add(token)
-        emitted += stopper.token_ids[before:]
-        if finish_reason:
-            break
-    return Step(emitted, num_draft_tokens, num_accepted, finish_reason)
+    def _prefilled(self, sequence: Sequence, num_tokens: int, out) -> Step | None:
+        sequence.proposer.extend_context(out.taps)
+        sequence.num_prefilled += num_tokens
+        if sequence.prefilling:
+            return None
+        first = target_tokens(out.logits, sequence.request.sampling, sequence.generator).tolist()
+        sequence.tokens += first
+        sequence.first_token_at = time.perf_counter()
+        sequence.stats.prefill_seconds = sequence.first_token_at - sequence.started
+        return self._commit(sequence, first, 0, 0)
+
+    def _verified(self, sequence: Sequence, drafts: list[int], out) -> Step:
+        request = sequence.request
+        committed = accept(torch.tensor(drafts, dtype=torch.long), out.logits, request.sampling, sequence.generator)
+        num_accepted = len(committed) - 1
+        # The cache now holds the whole block; keep the last committed token and the accepted
+        # drafts. The bonus token is not in the cache yet: it opens the next block.
+        sequence.cache.crop(sequence.cache.length - len(drafts) + num_accepted)
+        sequence.proposer.extend_context(None if out.taps is None else out.taps[: num_accepted + 1])
+        sequence.tokens += committed
+        _record(sequence.stats, len(drafts), num_accepted)
+        return self._commit(sequence, committed, len(drafts), num_accepted)
+
+    def _commit(self, sequence: Sequence, committed: list[int], num_draft_tokens: int, num_accepted: int) -> Step:
+        stopper, emitted = sequence.stopper, []
+        for token in committed:
+            before = len(stopper.token_ids)
+            sequence.finish_reason = stopper.add(token)
+            emitted += stopper.token_ids[before:]
+            if sequence.finish_reason:
+                stats = sequence.stats
+                stats.decode_seconds = time.perf_counter() - sequence.first_token_at
+                stats.token_ids, stats.text, stats.finish_reason = stopper.token_ids, stopper.text(), sequence.finish_reason
+                break
+        return Step(emitted, num_draft_tokens, num_accepted, sequence.finish_reason)
 
 
 def _record(stats: Result, num_draft_tokens: int, num_accepted: int) -> None:

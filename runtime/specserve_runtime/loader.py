@@ -4,6 +4,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from .config import DEFAULT_TOKEN_BUDGET
 from .drafters import ProposerOptions, build_proposer
 from .drafters.dflash import MASK_TOKEN
 from .engine import Engine
@@ -61,7 +62,9 @@ def _eos_ids(folder: Path, tokenizer) -> set[int]:
     return ids
 
 
-def build_engine(model: LoadedModel, method: str, options: ProposerOptions = ProposerOptions()) -> Engine:
+def build_engine(model: LoadedModel, method: str, options: ProposerOptions = ProposerOptions(),
+                 token_budget: int = DEFAULT_TOKEN_BUDGET) -> Engine:
     if method == "dflash" and options.drafter == "random" and options.mask_token_id is None:
         options = ProposerOptions(options.drafter, options.num_speculative_tokens, model.mask_token_id(), options.seed)
-    return Engine(model.target, model.tokenizer, build_proposer(method, model.target, options), model.eos_ids)
+    proposer = build_proposer(method, model.target, options)
+    return Engine(model.target, model.tokenizer, proposer, model.eos_ids, token_budget)

@@ -4,6 +4,10 @@ A forward over T new tokens appends their keys/values to a KVCache and returns t
 and, on request, the outputs of chosen decoder layers ("taps"): the context features that
 the DFlash and EAGLE-3 drafters condition on. Layer id i means the output of decoder layer i
 (0-based), i.e. Hugging Face's `hidden_states[i + 1]`.
+
+A batched forward runs several sequences at once, as vLLM does: their new tokens are laid end
+to end (no padding), so every matrix product reads the weights once for the whole batch, and
+only attention runs per sequence, against that sequence's own KV cache.
 """
 
 import json
@@ -80,11 +84,29 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.mlp = MLP(h, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, mask):
-        q, k, v = self.self_attn.query_key_value(self.input_layernorm(x), cos, sin)
-        k, v = cache.write(layer, k, v)
-        x = x + self.self_attn.output(q, k, v, mask)
+    def forward(self, x, cos, sin, batch: list["Segment"], layer: int, masks: list):
+        """x [N, H]: the new tokens of every segment, end to end."""
+        q, k, v = self.self_attn.query_key_value(self.input_layernorm(x), cos, sin)  # [1, heads, N, D]
+        sizes = [segment.num_tokens for segment in batch]
+        attended = []
+        for segment, mask, q_s, k_s, v_s in zip(batch, masks, q.split(sizes, 2), k.split(sizes, 2), v.split(sizes, 2)):
+            k_all, v_all = segment.cache.write(layer, k_s, v_s)
+            attended.append(self.self_attn.attend(q_s, k_all, v_all, mask))
+        x = x + self.self_attn.project_out(torch.cat(attended, dim=2))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class Segment:
+    """One sequence's part of a batched forward: new tokens placed right after its cached ones."""
+
+    tokens: torch.Tensor  # [T]
+    cache: KVCache
+    num_logits: int  # logits for the last this-many new tokens: all of a verify block, the last of a prompt, or none
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.shape[0]
 
 
 @dataclass
@@ -109,7 +131,6 @@ class Transformer(nn.Module):
         cfg = self.config
         return KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity, self.lm_head.weight.dtype)
 
-    @torch.inference_mode()
     def forward(
         self,
         tokens: torch.Tensor,  # [T] new tokens, placed right after the cached ones
@@ -117,19 +138,31 @@ class Transformer(nn.Module):
         tap_layers: tuple[int, ...] = (),
         last_logits_only: bool = False,
     ) -> TargetOutput:
-        start, num_new = cache.length, tokens.shape[0]
-        cos, sin = self.rotary(torch.arange(start, start + num_new))
-        mask = causal_mask(num_new, start + num_new)
-        x = self.embed_tokens(tokens)  # [T, H]
+        """One sequence: a batch of one."""
+        (out,) = self.forward_batch([Segment(tokens, cache, 1 if last_logits_only else tokens.shape[0])], tap_layers)
+        return out
+
+    @torch.inference_mode()
+    def forward_batch(self, batch: list[Segment], tap_layers: tuple[int, ...] = ()) -> list[TargetOutput]:
+        """Every segment's logits (its last `num_logits` rows) and taps; each cache grows by its segment."""
+        sizes = [segment.num_tokens for segment in batch]
+        # Each token's position continues its own sequence, so RoPE and the causal masks are per segment.
+        positions = torch.cat([torch.arange(s.cache.length, s.cache.length + s.num_tokens) for s in batch])
+        cos, sin = self.rotary(positions)
+        masks = [causal_mask(s.num_tokens, s.cache.length + s.num_tokens) for s in batch]
+        x = self.embed_tokens(torch.cat([segment.tokens for segment in batch]))  # [N, H]
         taps = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, mask)
+            x = layer(x, cos, sin, batch, i, masks)
             if i in tap_layers:
                 taps.append(x)
-        cache.advance(num_new)
-        if last_logits_only:
-            x = x[-1:]
-        return TargetOutput(self.lm_head(self.norm(x)), torch.cat(taps, dim=-1) if taps else None)
+        ends = torch.tensor(sizes).cumsum(0).tolist()
+        rows = [row for segment, end in zip(batch, ends) for row in range(end - segment.num_logits, end)]
+        logits = self.lm_head(self.norm(x[rows])).split([segment.num_logits for segment in batch])
+        tapped = torch.cat(taps, dim=-1).split(sizes) if taps else [None] * len(batch)
+        for segment in batch:
+            segment.cache.advance(segment.num_tokens)
+        return [TargetOutput(*out) for out in zip(logits, tapped)]
 
 
 def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:

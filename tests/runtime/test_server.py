@@ -171,34 +171,41 @@ def test_health_ready_and_metrics(server, client):
 
 
 class HeldEngine:
-    """Wraps an engine: its first stream blocks after yielding its first step until `release` is set, so
-    the request provably holds its slot for as long as a test needs. Later streams run freely."""
+    """Wraps an engine: once a step has emitted tokens, the next step blocks until `release` is set, so
+    the request provably holds its slot for as long as a test needs."""
 
     def __init__(self, engine):
         self.engine = engine
-        self.holding = threading.Event()  # the first step is out and the stream is blocked
+        self.emitted = False
+        self.holding = threading.Event()  # the first tokens are out and the engine is blocked
         self.release = threading.Event()
 
-    def stream(self, request, stats=None):
-        for number, step in enumerate(self.engine.stream(request, stats)):
-            yield step
-            if number == 0 and not self.release.is_set():
-                self.holding.set()
-                assert self.release.wait(timeout=120), "the test never released the engine"
+    def add(self, request, stats=None):
+        return self.engine.add(request, stats)
+
+    def step(self, batch):
+        if self.emitted and not self.release.is_set():
+            self.holding.set()
+            assert self.release.wait(timeout=120), "the test never released the engine"
+        steps = self.engine.step(batch)
+        self.emitted = self.emitted or any(step and step.token_ids for step in steps)
+        return steps
 
 
 class FailingEngine:
-    """Wraps an engine: its first stream raises after yielding its first step. Later streams run freely."""
+    """Wraps an engine: its first step after the prefill raises. Later steps run freely."""
 
     def __init__(self, engine):
-        self.engine, self.failed = engine, False
+        self.engine, self.steps = engine, 0
 
-    def stream(self, request, stats=None):
-        for step in self.engine.stream(request, stats):
-            yield step
-            if not self.failed:
-                self.failed = True
-                raise RuntimeError("the accelerator fell off the bus")
+    def add(self, request, stats=None):
+        return self.engine.add(request, stats)
+
+    def step(self, batch):
+        self.steps += 1
+        if self.steps == 2:
+            raise RuntimeError("the accelerator fell off the bus")
+        return self.engine.step(batch)
 
 
 async def wait_for(condition, what: str, timeout: float = 30) -> None:
@@ -273,6 +280,59 @@ async def test_engine_failure_is_a_500_counted_as_finished_reason_error(smollm2)
             assert metrics.registry.get_sample_value("vllm:e2e_request_latency_seconds_count", metrics.labels) == 2
     finally:
         server.worker.stop()
+
+
+class GatedEngine:
+    """Wraps an engine: every step waits for `open`, and the batch sizes it ran are recorded."""
+
+    def __init__(self, engine):
+        self.engine, self.sizes, self.open = engine, [], threading.Event()
+
+    def add(self, request, stats=None):
+        return self.engine.add(request, stats)
+
+    def step(self, batch):
+        self.sizes.append(len(batch))
+        assert self.open.wait(timeout=120), "the test never opened the engine"
+        return self.engine.step(batch)
+
+
+async def test_concurrent_requests_are_decoded_in_one_batch_and_answer_as_if_alone(smollm2):
+    """Six requests at once with room for four in the batch: the first step holds until all six are
+    admitted, so the next step batches four of them and the last two join as the first ones finish.
+    Every answer is the text that request gets alone."""
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from specserve_runtime.server.app import Server
+
+    prompts = ["The sea is", "My favourite fruit", "def add(a, b):", "In 1905, Einstein", "Paris is the", "Dogs"]
+    limits = [12, 6, 16, 9, 12, 4]
+    engine = GatedEngine(build_engine(smollm2, "ngram"))
+    server = Server(smollm2, engine, MODEL, "ngram", None, max_concurrency=6, max_num_seqs=4)
+    metrics = server.metrics
+    try:
+        async with TestServer(server.app()) as test_server, aiohttp.ClientSession() as session:
+            url = str(test_server.make_url("/v1/completions"))
+
+            async def complete(prompt, limit):
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": limit, "temperature": 0}
+                async with session.post(url, json=body) as response:
+                    assert response.status == 200
+                    return (await response.json())["choices"][0]["text"]
+
+            answers = asyncio.gather(*(complete(prompt, limit) for prompt, limit in zip(prompts, limits)))
+            await wait_for(lambda: server.worker.admitted == 6 and engine.sizes, "six requests and a held step")
+            assert metrics.of(metrics.waiting)._value.get() == 6 - engine.sizes[0]  # the rest wait their turn
+            engine.open.set()
+            texts = await answers
+    finally:
+        engine.open.set()
+        server.worker.stop()
+    assert max(engine.sizes) == 4  # batched, never past max_num_seqs
+    assert texts == [ar_text(smollm2, prompt, limit) for prompt, limit in zip(prompts, limits)]
+    assert metrics.of(metrics.running)._value.get() == 0 and metrics.of(metrics.waiting)._value.get() == 0
+    assert metrics.of(metrics.success, finished_reason="length")._value.get() == 6
 
 
 def test_sigterm_finishes_in_flight_requests_then_exits(smollm2):

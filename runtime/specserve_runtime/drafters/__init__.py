@@ -15,10 +15,14 @@ from ..model import ModelConfig, Transformer
 
 
 class Proposer(Protocol):
+    """Drafts for one sequence. The engine gives every sequence its own shallow copy of the proposer
+    (the drafter's weights are shared) and calls begin() on it: begin() must create the per-sequence
+    state anew, never change state that the copies share."""
+
     tap_layers: tuple[int, ...]  # target layers whose outputs this proposer conditions on
 
     def begin(self, capacity: int) -> None:
-        """Forget the previous sequence; the next one holds at most `capacity` tokens."""
+        """Start a sequence that holds at most `capacity` tokens."""
 
     def extend_context(self, taps: torch.Tensor | None) -> None:
         """Target features [T, len(tap_layers) * H] of the tokens just committed to the target's KV cache."""

@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP server of the embedded engine.
 
-One engine generates one sequence at a time, in a worker thread; requests wait in a bounded
-queue (a full queue answers 429 with Retry-After instead of hanging). Each request streams
-its engine steps back to its handler through an asyncio queue; a client that disconnects sets
-a flag that the worker checks between steps, which ends its generation.
+One engine runs in a worker thread and decodes a batch of up to `max_num_seqs` requests at once
+(continuous batching: requests join and leave between engine steps). Admitted requests beyond
+the batch wait in a queue; past `max_concurrency` admitted requests the server answers 429 with
+Retry-After instead of hanging. Each request streams its engine steps back to its handler
+through an asyncio queue; a client that disconnects sets a flag that the worker checks between
+steps, which takes the request out of the batch.
 """
 
 import asyncio
@@ -17,7 +19,8 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..engine import Engine, Request, Result
+from ..config import DEFAULT_MAX_NUM_SEQS
+from ..engine import Engine, Request, Result, Sequence
 from ..loader import LoadedModel
 from ..metrics import Metrics
 from ..verify import SamplingParams
@@ -36,11 +39,23 @@ class Job:
     arrived: float = field(default_factory=time.perf_counter)
 
 
-class Worker:
-    """Owns the engine. Admits at most `max_concurrency` requests (running + waiting)."""
+@dataclass(eq=False)
+class Running:
+    """A job in the engine's batch."""
 
-    def __init__(self, engine: Engine, metrics: Metrics, max_concurrency: int):
-        self.engine, self.metrics, self.max_concurrency = engine, metrics, max_concurrency
+    job: Job
+    sequence: Sequence
+    result: Result
+    last_emit: float | None = None  # when its last tokens went out (for inter-token latency)
+
+
+class Worker:
+    """Owns the engine. Admits at most `max_concurrency` requests (running + waiting) and runs at most
+    `max_num_seqs` of them in the engine's batch."""
+
+    def __init__(self, engine: Engine, metrics: Metrics, max_concurrency: int, max_num_seqs: int):
+        self.engine, self.metrics = engine, metrics
+        self.max_concurrency, self.max_num_seqs = max_concurrency, max_num_seqs
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.active: set[Job] = set()  # admitted and not finished
         self.admitted = 0
@@ -67,59 +82,91 @@ class Worker:
                 job.cancelled.set()
 
     def stop(self) -> None:
+        """End the worker: requests still running end with finish_reason "abort"."""
         self.jobs.put(None)
 
     def _emit(self, job: Job, item) -> None:
         job.loop.call_soon_threadsafe(job.events.put_nowait, item)
 
     def _run(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            self.metrics.of(self.metrics.waiting).dec()
-            try:
-                if not job.cancelled.is_set():
-                    self._generate(job)
+        batch: list[Running] = []
+        stopping = False
+        while batch or not stopping:
+            # Admit between steps: wait for work when idle, else take only what has already arrived.
+            while not stopping and len(batch) < self.max_num_seqs:
+                try:
+                    job = self.jobs.get(block=not batch)
+                except queue.Empty:
+                    break
+                if job is None:
+                    stopping = True
+                    for running in batch:
+                        running.job.cancelled.set()
                 else:
-                    self._emit(job, _DONE)
-            except Exception as exc:  # never let one request take the worker down
-                self._emit(job, exc)
-            finally:
-                with self.lock:
-                    self.admitted -= 1
-                    self.active.discard(job)
-                    if self.admitted == 0:
-                        self.idle.set()
+                    batch += self._start(job)
+            for running in [r for r in batch if r.job.cancelled.is_set()]:  # the client went away
+                self._finish(running, "abort")
+                batch.remove(running)
+            if not batch:
+                continue
+            try:
+                steps = self.engine.step([running.sequence for running in batch])
+            except Exception as exc:  # never let a failed step take the worker down: fail its requests
+                for running in batch:
+                    self._finish(running, "error", exc)
+                batch = []
+                continue
+            now = time.perf_counter()
+            for running, step in zip(batch, steps):
+                if step is not None:
+                    self._advance(running, step, now)
+            batch = [running for running in batch if running.sequence.finish_reason is None]
 
-    def _generate(self, job: Job) -> None:
+    def _start(self, job: Job) -> list[Running]:
+        """The job's place in the batch (none if it was cancelled while it waited)."""
         metrics = self.metrics
-        started = time.perf_counter()
-        metrics.of(metrics.queue_time).observe(started - job.arrived)
+        metrics.of(metrics.waiting).dec()
+        if job.cancelled.is_set():
+            self._release(job)
+            self._emit(job, _DONE)
+            return []
+        metrics.of(metrics.queue_time).observe(time.perf_counter() - job.arrived)
         metrics.of(metrics.running).inc()
         metrics.of(metrics.prompt_tokens).inc(len(job.request.prompt_ids))
         result = Result.empty(job.request)
-        try:
-            last = None
-            for step in self.engine.stream(job.request, result):
-                now = time.perf_counter()
-                if step.token_ids:
-                    metrics.record_step(len(step.token_ids), step.num_draft_tokens, step.num_accepted)
-                    if last is None:
-                        metrics.of(metrics.ttft).observe(now - job.arrived)
-                    else:
-                        metrics.of(metrics.itl).observe(now - last)
-                    last = now
-                self._emit(job, step)
-                if job.cancelled.is_set():  # the client went away: stop spending compute on it
-                    result.finish_reason = "abort"
-                    break
-        except Exception:  # counted as vLLM counts it, then answered by _run
-            result.finish_reason = "error"
-            raise
-        finally:
-            metrics.of(metrics.running).dec()
-            metrics.of(metrics.e2e).observe(time.perf_counter() - job.arrived)
-            metrics.of(metrics.success, finished_reason=result.finish_reason or "abort").inc()
-        self._emit(job, result)
-        self._emit(job, _DONE)
+        return [Running(job, self.engine.add(job.request, result), result)]
+
+    def _advance(self, running: Running, step, now: float) -> None:
+        metrics = self.metrics
+        if step.token_ids:
+            metrics.record_step(len(step.token_ids), step.num_draft_tokens, step.num_accepted)
+            if running.last_emit is None:
+                metrics.of(metrics.ttft).observe(now - running.job.arrived)
+            else:
+                metrics.of(metrics.itl).observe(now - running.last_emit)
+            running.last_emit = now
+        self._emit(running.job, step)
+        if step.finish_reason:
+            self._finish(running, step.finish_reason)
+
+    def _finish(self, running: Running, finish_reason: str, error: Exception | None = None) -> None:
+        """Count the request as vLLM does, answer it and free its slot."""
+        metrics, job = self.metrics, running.job
+        running.result.finish_reason = running.result.finish_reason or finish_reason
+        metrics.of(metrics.running).dec()
+        metrics.of(metrics.e2e).observe(time.perf_counter() - job.arrived)
+        metrics.of(metrics.success, finished_reason=finish_reason).inc()
+        self._emit(job, error if error is not None else running.result)
+        if error is None:
+            self._emit(job, _DONE)
+        self._release(job)
+
+    def _release(self, job: Job) -> None:
+        with self.lock:
+            self.admitted -= 1
+            self.active.discard(job)
+            if self.admitted == 0:
+                self.idle.set()
 
 
 class IncrementalText:
@@ -154,11 +201,11 @@ class IncrementalText:
 
 class Server:
     def __init__(self, model: LoadedModel, engine: Engine, served_name: str, method: str, drafter: str | None,
-                 max_concurrency: int = 32, shutdown_grace: float = 30.0):
+                 max_concurrency: int = 32, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, shutdown_grace: float = 30.0):
         self.model, self.served_name = model, served_name
         self.context_length = model.target.config.max_position_embeddings
         self.metrics = Metrics(served_name, method, drafter)
-        self.worker = Worker(engine, self.metrics, max_concurrency)
+        self.worker = Worker(engine, self.metrics, max_concurrency, max_num_seqs)
         self.shutdown_grace = shutdown_grace
         self.draining = False
 

@@ -1,0 +1,139 @@
+"""Continuous batching: sequences join and leave a batch between steps, and each one's output is
+exactly what it is alone (tokens, finish reason and acceptance), for every method."""
+
+import pytest
+import torch
+
+from specserve_runtime.drafters import NoDraft, ProposerOptions, build_proposer
+from specserve_runtime.engine import Engine, Request
+from specserve_runtime.model import Segment
+from specserve_runtime.verify import SamplingParams
+
+from .conftest import ByteTokenizer
+
+PROPOSERS = {
+    "ar": None,
+    "ngram": ProposerOptions(num_speculative_tokens=4),
+    "eagle3": ProposerOptions("random", 3, seed=1),
+    "dflash": ProposerOptions("random", 5, mask_token_id=95, seed=2),
+}
+
+
+def requests() -> list[Request]:
+    """Different lengths, limits, stop strings and sampling: a batch whose members diverge."""
+    generator = torch.Generator().manual_seed(7)
+
+    def prompt(length):
+        return torch.randint(3, 90, (length,), generator=generator).tolist()
+
+    return [
+        Request(prompt(5), 30),
+        Request(prompt(40), 12),  # longer than the small token budget below: prefilled in chunks
+        Request(prompt(3) * 4, 25),  # repetitive, so n-gram drafts get accepted
+        Request(prompt(9), 40, SamplingParams(temperature=0.8), seed=3),
+        Request(prompt(17), 20, SamplingParams(temperature=0.7, top_p=0.9), seed=11),
+        Request(prompt(6), 30, stop=("C",)),
+        Request(prompt(2), 1),
+    ]
+
+
+def build(target, method: str, token_budget: int = 512) -> Engine:
+    proposer = NoDraft() if PROPOSERS[method] is None else build_proposer(method, target, PROPOSERS[method])
+    return Engine(target, ByteTokenizer(), proposer, {2}, token_budget)
+
+
+def run_batched(engine: Engine, requests: list[Request], joins: dict[int, int]):
+    """Decode requests together; request i joins the batch at step joins.get(i, 0). Returns the results
+    and, per step, how many sequences were in the batch."""
+    sequences, batch, sizes = {}, [], []
+    step_number = 0
+    while len(sequences) < len(requests) or batch:
+        for i, request in enumerate(requests):
+            if i not in sequences and joins.get(i, 0) <= step_number:
+                sequences[i] = engine.add(request)
+                batch.append(sequences[i])
+        if batch:
+            sizes.append(len(batch))
+            engine.step(batch)
+            batch = [sequence for sequence in batch if sequence.finish_reason is None]
+        step_number += 1
+    return [sequences[i].stats for i in range(len(requests))], sizes
+
+
+@pytest.mark.parametrize("method", PROPOSERS)
+@pytest.mark.parametrize("token_budget", [512, 16])
+def test_each_sequence_of_a_batch_decodes_exactly_as_it_would_alone(tiny_llama, method, token_budget):
+    engine = build(tiny_llama, method, token_budget)
+    alone = [engine.generate(request) for request in requests()]
+    together, sizes = run_batched(engine, requests(), joins={1: 2, 4: 5, 6: 9})
+    assert max(sizes) >= 5 and len(set(sizes)) > 2  # a real batch, joined and left as it ran
+    for single, batched in zip(alone, together):
+        assert batched.token_ids == single.token_ids
+        assert batched.finish_reason == single.finish_reason
+        assert (batched.num_draft_tokens, batched.num_accepted_tokens) == (single.num_draft_tokens,
+                                                                           single.num_accepted_tokens)
+    if method == "ngram":
+        assert sum(result.num_accepted_tokens for result in together) > 0  # verify blocks were really batched
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_running_sequences_keep_decoding(tiny_llama):
+    engine = build(tiny_llama, "ar", token_budget=8)
+    running = engine.add(Request([5, 6, 7], 30))
+    while running.prefilling:
+        engine.step([running])
+    long_prompt = engine.add(Request(list(range(3, 43)), 5))  # 40 tokens: 7 per step beside the decode
+    chunk_steps = 0
+    while long_prompt.prefilling:
+        decode, prefill = engine.step([running, long_prompt])
+        assert decode is not None and len(decode.token_ids) == 1  # the running sequence never waits
+        chunk_steps += prefill is None
+    assert chunk_steps == 5  # 7 + 7 + 7 + 7 + 7 prompt tokens, then the last 5 with the first new token
+    assert long_prompt.stats.token_ids == [] and len(long_prompt.tokens) == 41
+
+
+def test_verify_blocks_are_batched_into_one_forward(tiny_llama):
+    """The engine calls the target once per step, whatever the batch size."""
+    engine = build(tiny_llama, "ngram")
+    calls = []
+    forward_batch = tiny_llama.forward_batch
+
+    def counting(batch, tap_layers=()):
+        calls.append(len(batch))
+        return forward_batch(batch, tap_layers)
+
+    tiny_llama.forward_batch = counting
+    try:
+        run_batched(engine, requests()[:4], joins={})
+    finally:
+        del tiny_llama.forward_batch
+    assert max(calls) == 4
+
+
+def test_a_batched_forward_equals_separate_forwards(tiny_llama):
+    """Equal up to float32 rounding: a matrix product over more rows may sum in another order."""
+    prompts = [torch.tensor([5, 17, 42, 8]), torch.tensor([9, 3]), torch.tensor([60, 61, 62, 63, 64, 65])]
+    caches = [tiny_llama.new_cache(16) for _ in prompts]
+    batched = tiny_llama.forward_batch([Segment(p, c, p.shape[0]) for p, c in zip(prompts, caches)], (1, 3))
+    for prompt, cache, out in zip(prompts, caches, batched):
+        alone = tiny_llama(prompt, tiny_llama.new_cache(16), (1, 3))
+        assert cache.length == prompt.shape[0]
+        torch.testing.assert_close(out.logits, alone.logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out.taps, alone.taps, rtol=1e-4, atol=1e-4)
+    last_only = tiny_llama.forward_batch([Segment(prompts[0], tiny_llama.new_cache(16), 1),
+                                          Segment(prompts[1], tiny_llama.new_cache(16), 0)])
+    assert [out.logits.shape[0] for out in last_only] == [1, 0]
+    torch.testing.assert_close(last_only[0].logits, batched[0].logits[-1:], rtol=1e-4, atol=1e-4)
+
+
+def test_a_finished_sequence_cannot_take_another_step(tiny_llama):
+    engine = build(tiny_llama, "ar")
+    sequence = engine.add(Request([5, 6], 1))
+    (step,) = engine.step([sequence])
+    assert step.finish_reason == "length"
+    with pytest.raises(ValueError, match="finished sequence"):
+        engine.step([sequence])
+
+
+def test_the_token_budget_must_be_positive(tiny_llama):
+    with pytest.raises(ValueError, match="token budget"):
+        Engine(tiny_llama, ByteTokenizer(), NoDraft(), set(), token_budget=0)
