@@ -153,10 +153,11 @@ def performance_block(summary: dict) -> dict:
     """The measured methods as a `performance` block (docs/simulator.md), what `specserve simulate`
     scenarios and the operator's SPECSERVE_CAPACITY_PRIORS read; one bench variant per method.
 
-    The embedded engine decodes one sequence at a time (no batching yet), so a method's curve is
-    one row at concurrency 1, its median decode tokens/s and prefill time over the prompts, and
+    The in-process bench decodes one sequence at a time, so a method's curve is one row at
+    concurrency 1, its median decode tokens/s and prefill time over the prompts, and
     maxConcurrency 1: further requests wait, which the simulator counts in their TTFT. Bench
-    requests do not fail: errorRate 0.
+    requests do not fail: errorRate 0. `bench --concurrency` measures whole curves under load
+    (load_bench.performance_block).
     """
     block = {}
     for name, entry in summary["methods"].items():

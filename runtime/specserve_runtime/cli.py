@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+from .config import DEFAULT_MAX_NUM_SEQS, DEFAULT_TOKEN_BUDGET
+
 METHODS = ("ar", "ngram", "eagle3", "dflash")
 
 
@@ -198,13 +200,15 @@ def run_embedded_server(args) -> None:
     from .loader import build_engine, load_model
     from .server.app import Server, serve
 
-    if args.max_concurrency < 1:
-        raise UsageError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    for flag in ("max_concurrency", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     method = "ar" if args.method == "none" else args.method
     model = load_model(args.model)
-    engine = build_engine(model, method, ProposerOptions(args.drafter, args.num_speculative_tokens))
+    engine = build_engine(model, method, ProposerOptions(args.drafter, args.num_speculative_tokens),
+                          args.max_num_batched_tokens)
     served_name = args.served_model_name or Path(str(args.model)).name
-    server = Server(model, engine, served_name, method, args.drafter, args.max_concurrency)
+    server = Server(model, engine, served_name, method, args.drafter, args.max_concurrency, args.max_num_seqs)
     print(f"serving {served_name} ({method}) on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     serve(server, args.host, args.port)
 
@@ -257,6 +261,11 @@ def cmd_bench(args) -> None:
         prompts = []
         for category in ("math", "code", "explain", "chat"):
             prompts += read_prompt_set(PROMPTS_FILE, split="eval", category=category)[: args.per_category]
+    if args.concurrency:
+        bench_server(args, methods, [record["prompt"] for record in prompts[: args.limit]])
+        return
+    if args.url:
+        raise UsageError("--url benches a running server under load: it needs --concurrency")
     baselines = ["greedy" if b == "hf" else b for b in baselines]
     model = load_model(args.model)
     stats = run_bench(model, methods, baselines, prompts[: args.limit], args.max_new_tokens, args.repeats,
@@ -276,6 +285,43 @@ def cmd_bench(args) -> None:
         write_performance(performance_block(summary), Path(args.emit_performance))
     if args.json:
         print(json.dumps(summary))
+
+
+def bench_server(args, methods: list[str], prompts: list[str]) -> None:
+    """Closed-loop load at each --concurrency: against --url, or a `specserve serve` per method."""
+    from contextlib import nullcontext
+
+    from .load_bench import LocalServer, measure_server, performance_block, serve_arguments, table
+
+    concurrencies = _int_list(args.concurrency, "--concurrency")
+    if not concurrencies or min(concurrencies) < 1 or concurrencies != sorted(set(concurrencies)):
+        raise UsageError(f"--concurrency takes increasing integers >= 1, got {args.concurrency!r}")
+    if args.requests_per_client < 1:
+        raise UsageError(f"--requests-per-client must be >= 1, got {args.requests_per_client}")
+    if args.kernels or args.baselines or args.temperature or args.repeats != 1:
+        raise UsageError("--concurrency measures greedy serving: --kernels, --baselines, --temperature and "
+                         "--repeats are for the in-process bench")
+    if args.url and len(methods) != 1:
+        raise UsageError(f"--url benches the one method that server runs: name it with --methods (got {args.methods})")
+
+    def log(message):
+        print(message, file=sys.stderr, flush=True)
+
+    batch = max(concurrencies)
+    results = {}
+    for method in methods:
+        log(f"{method}: {len(prompts)} prompts, {args.requests_per_client} requests per client, "
+            f"concurrency {', '.join(map(str, concurrencies))}")
+        server = nullcontext(args.url.rstrip("/")) if args.url else LocalServer(method, args.model, batch,
+                                                                               serve_arguments(method))
+        with server as url:
+            results[method] = measure_server(url, prompts, concurrencies, args.requests_per_client,
+                                             args.max_new_tokens, log)
+    print(table(results))
+    if args.emit_performance:
+        write_performance(performance_block(results, batch), Path(args.emit_performance))
+    if args.json:
+        print(json.dumps({"concurrency": results}))
 
 
 def write_performance(block: dict, path: Path) -> None:
@@ -323,6 +369,10 @@ def build_parser() -> Parser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", help="the OpenAI model name clients send (default: the model's name)")
     serve.add_argument("--max-concurrency", type=int, default=32, help="requests admitted at once; more get 429")
+    serve.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
+                       help=f"requests decoded together in one batch; more wait (default {DEFAULT_MAX_NUM_SEQS})")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_TOKEN_BUDGET,
+                       help=f"tokens per engine step: verify blocks first, then prompt chunks (default {DEFAULT_TOKEN_BUDGET})")
     serve.add_argument("--config", help="a runtime configuration file (what the operator renders)")
     serve.set_defaults(run=cmd_serve)
 
@@ -346,6 +396,10 @@ def build_parser() -> Parser:
     bench.add_argument("--json", action="store_true", help="the last line of stdout is a JSON summary")
     bench.add_argument("--emit-performance", metavar="FILE",
                        help="write the methods' measured `performance` block (docs/simulator.md) to FILE")
+    bench.add_argument("--concurrency", metavar="C1,C2,...",
+                       help="serving under closed-loop load at each concurrency (OpenAI streaming clients)")
+    bench.add_argument("--url", help="with --concurrency: bench this running server instead of starting one per method")
+    bench.add_argument("--requests-per-client", type=int, default=2, help="with --concurrency (default 2)")
     bench.set_defaults(run=cmd_bench)
 
     distill = commands.add_parser("distill", help="generate self-distilled drafter training data (resumable)")

@@ -115,3 +115,86 @@ def test_bench_emits_a_performance_block_that_a_scenario_runs_on(tmp_path, capsy
     assert main(["simulate", "--scenario", str(path), "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["generatedTokens"] > 0 and 0 <= result["sloAttainment"] <= 1
+
+
+def test_a_load_level_summarises_throughput_latency_and_errors():
+    from specserve_runtime.load_bench import Level, RequestTiming
+
+    level = Level(2, wall_seconds=4.0, errors=1, requests=[
+        RequestTiming(ttft=0.2, seconds=2.2, tokens=21, gaps=[0.1] * 20),  # 20 tokens in 2 s after the first
+        RequestTiming(ttft=0.6, seconds=3.6, tokens=31, gaps=[0.05] * 29 + [0.5]),
+    ])
+    summary = level.summary()
+    assert summary["output_tokens_per_second"] == 13.0  # 52 tokens in 4 s of wall time
+    assert summary["tokens_per_second_per_request"] == 10.0  # median of 10 and 10
+    assert summary["itl_p50_ms"] == 50.0 and summary["itl_p99_ms"] == 500.0  # 29 gaps of 50 ms, 20 of 100, one of 500
+    assert summary["ttft_p50_ms"] == 600.0 and summary["errors"] == 1 and summary["requests"] == 2
+
+
+def test_acceptance_length_is_read_from_a_metrics_page():
+    from specserve_runtime.load_bench import acceptance_length
+
+    page = ('vllm:spec_decode_num_drafts_total{engine="embedded",model_name="m"} 40.0\n'
+            'vllm:spec_decode_num_accepted_tokens_total{engine="embedded",model_name="m"} 60.0\n'
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="embedded",position="0"} 30.0\n')
+    assert acceptance_length(page) == 2.5
+    assert acceptance_length("vllm:generation_tokens_total 9.0\n") == 1.0
+
+
+def test_load_curves_become_a_performance_block_with_a_row_per_concurrency(tmp_path):
+    from specserve_operator.scenario import load_capacity_priors
+    from specserve_runtime.cli import write_performance
+    from specserve_runtime.load_bench import performance_block, table
+
+    def level(concurrency, total, per_request, ttft, errors=0):
+        return {"concurrency": concurrency, "requests": 4, "errors": errors, "output_tokens_per_second": total,
+                "tokens_per_second_per_request": per_request, "itl_p50_ms": 50.0, "itl_p99_ms": 90.0,
+                "ttft_p50_ms": ttft, "ttft_p99_ms": 2 * ttft}
+
+    results = {"ar": {"acceptance_length": 1.0, "levels": [level(1, 10.0, 10.0, 80.0), level(4, 30.0, 7.5, 120.0)]},
+               "dflash:3": {"acceptance_length": 2.2, "levels": [level(1, 15.0, 15.0, 90.0), level(4, 33.0, 8.2, 150.0, 2)]}}
+    block = performance_block(results, max_num_seqs=4)
+    assert block["dflash"] == {"acceptanceLength": 2.2, "errorRate": 0.2, "maxConcurrency": 4, "curve": [
+        {"concurrency": 1, "tokensPerSecondPerRequest": 15.0, "ttftMs": 90.0},
+        {"concurrency": 4, "tokensPerSecondPerRequest": 8.2, "ttftMs": 150.0}]}
+    write_performance(block, path := tmp_path / "performance.yaml")
+    assert [point.in_flight_per_replica for point in load_capacity_priors(path)["none"]] == [1, 4]
+    rendered = table(results)
+    assert "| dflash:3 | 4 " in rendered and "1.10x" in rendered and "1.50x" in rendered  # against ar, level by level
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--url", "http://127.0.0.1:1"], "--url benches a running server under load: it needs --concurrency"),
+    (["--concurrency", "4,2"], "--concurrency takes increasing integers >= 1"),
+    (["--concurrency", "0,2"], "--concurrency takes increasing integers >= 1"),
+    (["--concurrency", "1,x"], "--concurrency takes comma-separated integers"),
+    (["--concurrency", "1", "--url", "http://127.0.0.1:1"], "--url benches the one method that server runs"),
+    (["--concurrency", "1", "--kernels"], "--concurrency measures greedy serving"),
+    (["--concurrency", "1", "--requests-per-client", "0"], "--requests-per-client must be >= 1"),
+])
+def test_load_bench_refuses_bad_flags_before_starting_anything(capsys, arguments, message):
+    from specserve_runtime.cli import main
+
+    assert main(["bench", "--limit", "1", *arguments]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_load_bench_measures_a_live_server_at_each_concurrency(tmp_path, capsys):
+    from specserve_operator.scenario import Performance
+    from specserve_runtime.cli import main
+
+    performance = tmp_path / "performance.yaml"
+    assert main(["bench", "--methods", "ar,eagle3", "--concurrency", "1,3", "--limit", "3", "--max-new-tokens", "12",
+                 "--emit-performance", str(performance), "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    results = json.loads(out[-1])["concurrency"]
+    for name in ("ar", "eagle3"):
+        levels = results[name]["levels"]
+        assert [level["concurrency"] for level in levels] == [1, 3]
+        assert all(level["errors"] == 0 and level["requests"] == 2 * level["concurrency"] for level in levels)
+        assert all(level["output_tokens_per_second"] > 0 and level["ttft_p99_ms"] > 0 for level in levels)
+    assert results["ar"]["acceptance_length"] == 1 and results["eagle3"]["acceptance_length"] > 1  # its counters
+    block = Performance.model_validate(yaml.safe_load(performance.read_text()))
+    assert block.none.max_concurrency == 3 and [row.concurrency for row in block.eagle3.curve] == [1, 3]
+    assert "| eagle3" in "\n".join(out)

@@ -1,0 +1,235 @@
+"""`specserve bench --concurrency 1,2,4`: closed-loop load against an OpenAI-compatible server.
+
+At each concurrency C, C clients each stream completions one after another (a client sends its
+next request when the previous one has ended), so exactly C requests are in flight at all times.
+Time to first token is measured per request; the inter-token latency is the gap between streamed
+chunks, as vLLM's benchmark_serving measures it (a speculative step sends several tokens in one
+chunk). Token counts come from the server's usage report.
+
+Without --url, bench starts `specserve serve` for each method in turn, with a batch as large as
+the highest concurrency, so one run measures every method on the same machine, prompts and load.
+"""
+
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+from .bench import scenario_method
+
+
+@dataclass
+class RequestTiming:
+    ttft: float  # seconds from sending to the first streamed token
+    seconds: float  # sending to the end of the stream
+    tokens: int
+    gaps: list[float]  # seconds between streamed chunks after the first
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return (self.tokens - 1) / (self.seconds - self.ttft) if self.tokens > 1 and self.seconds > self.ttft else 0.0
+
+
+@dataclass
+class Level:
+    """The measurements at one concurrency."""
+
+    concurrency: int
+    wall_seconds: float = 0.0
+    requests: list[RequestTiming] = field(default_factory=list)
+    errors: int = 0
+
+    def summary(self) -> dict:
+        gaps = [gap for r in self.requests for gap in r.gaps]
+        ttfts = [r.ttft for r in self.requests]
+        tokens = sum(r.tokens for r in self.requests)
+        return {
+            "concurrency": self.concurrency,
+            "requests": len(self.requests),
+            "errors": self.errors,
+            "output_tokens_per_second": round(tokens / self.wall_seconds, 2) if self.wall_seconds else 0.0,
+            "tokens_per_second_per_request": round(statistics.median(r.decode_tokens_per_second for r in self.requests), 2)
+            if self.requests else 0.0,
+            "itl_p50_ms": _percentile_ms(gaps, 50),
+            "itl_p99_ms": _percentile_ms(gaps, 99),
+            "ttft_p50_ms": _percentile_ms(ttfts, 50),
+            "ttft_p99_ms": _percentile_ms(ttfts, 99),
+        }
+
+
+def _percentile_ms(values: list[float], percent: int) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(len(ordered) * percent / 100))] * 1000, 1)
+
+
+async def stream_completion(session, url: str, model: str, prompt: str, max_tokens: int) -> RequestTiming:
+    """One chat completion (the prompt as the user's message, as in-process bench encodes it), streamed."""
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    first, last, gaps, tokens = None, None, [], 0
+    async with session.post(url + "/v1/chat/completions", json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:200]}")
+        async for line in response.content:
+            line = line.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                else:
+                    gaps.append(now - last)
+                last = now
+    ended = time.perf_counter()
+    return RequestTiming((first or ended) - started, ended - started, tokens, gaps)
+
+
+async def run_level(url: str, model: str, prompts: list[str], concurrency: int, requests_per_client: int,
+                    max_tokens: int) -> Level:
+    import aiohttp
+
+    level = Level(concurrency)
+
+    async def client(index: int, session) -> None:
+        for round_number in range(requests_per_client):
+            prompt = prompts[(index + round_number * concurrency) % len(prompts)]
+            try:
+                level.requests.append(await stream_completion(session, url, model, prompt, max_tokens))
+            except (aiohttp.ClientError, RuntimeError):
+                level.errors += 1
+
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        started = time.perf_counter()
+        await asyncio.gather(*(client(index, session) for index in range(concurrency)))
+        level.wall_seconds = time.perf_counter() - started
+    return level
+
+
+def acceptance_length(metrics_text: str) -> float:
+    """1 + accepted / drafts from a /metrics page (vLLM's names); 1.0 without drafts."""
+    values = {}
+    for line in metrics_text.splitlines():
+        for name in ("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_drafts_total"):
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    drafts = values.get("vllm:spec_decode_num_drafts_total", 0.0)
+    return 1 + values.get("vllm:spec_decode_num_accepted_tokens_total", 0.0) / drafts if drafts else 1.0
+
+
+def served_model(url: str) -> str:
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as response:
+        return json.load(response)["data"][0]["id"]
+
+
+def measure_server(url: str, prompts: list[str], concurrencies: list[int], requests_per_client: int,
+                   max_tokens: int, log=print) -> dict:
+    """Every concurrency level against one running server, lowest first, after one warm-up request."""
+    model = served_model(url)
+    asyncio.run(run_level(url, model, prompts[:1], 1, 1, 8))
+    levels = []
+    for concurrency in concurrencies:
+        level = asyncio.run(run_level(url, model, prompts, concurrency, requests_per_client, max_tokens)).summary()
+        levels.append(level)
+        log(f"  concurrency {concurrency}: {level['output_tokens_per_second']} tok/s in total, "
+            f"{level['tokens_per_second_per_request']} per request, p99 ITL {level['itl_p99_ms']} ms, "
+            f"p99 TTFT {level['ttft_p99_ms']} ms, {level['errors']} errors")
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        tau = acceptance_length(response.read().decode())
+    return {"acceptance_length": round(tau, 3), "levels": levels}
+
+
+class LocalServer:
+    """`specserve serve` for one method on a free loopback port, stopped on exit."""
+
+    def __init__(self, method: str, model: str, max_num_seqs: int, extra: list[str]):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.command = [sys.executable, "-m", "specserve_runtime.cli", "serve", "--model", model, "--port",
+                        str(self.port), "--max-num-seqs", str(max_num_seqs), "--max-concurrency",
+                        str(2 * max_num_seqs), *extra]
+        self.method = method
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> str:
+        """Start the server; its base URL once it is ready."""
+        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"specserve serve --method {self.method} exited: {self.process.stderr.read()[-2000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/ready", timeout=2):
+                    return self.url
+            except OSError:
+                time.sleep(0.5)
+        self.process.kill()
+        raise RuntimeError(f"specserve serve --method {self.method} was not ready within 300 s")
+
+    def __exit__(self, *exc) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def serve_arguments(name: str) -> list[str]:
+    """A bench method ('dflash', 'dflash:3') as `specserve serve` flags."""
+    method, _, tokens = name.partition(":")
+    return ["--method", method] + (["--num-speculative-tokens", tokens] if tokens else [])
+
+
+def performance_block(results: dict[str, dict], max_num_seqs: int) -> dict:
+    """The measured curves as a `performance` block (docs/simulator.md): per method one row per
+    concurrency with the median per-request decode rate and the median time to first token;
+    maxConcurrency is the batch the servers ran with."""
+    block = {}
+    for name, result in results.items():
+        levels = result["levels"]
+        requests = sum(level["requests"] + level["errors"] for level in levels)
+        rows = [{"concurrency": level["concurrency"], "tokensPerSecondPerRequest": level["tokens_per_second_per_request"],
+                 "ttftMs": level["ttft_p50_ms"]} for level in levels]
+        block[scenario_method(name)] = {
+            "acceptanceLength": result["acceptance_length"],
+            "errorRate": round(sum(level["errors"] for level in levels) / requests, 4) if requests else 0.0,
+            "maxConcurrency": max_num_seqs,
+            "curve": rows,
+        }
+    return block
+
+
+def table(results: dict[str, dict]) -> str:
+    """One row per method and concurrency; the ratio column compares with plain decoding at that concurrency."""
+    plain = {level["concurrency"]: level["output_tokens_per_second"] for level in results.get("ar", {}).get("levels", [])}
+    header = ("method", "concurrency", "total tok/s", "vs ar", "tok/s per request", "ITL p50/p99 ms",
+              "TTFT p50/p99 ms", "errors")
+    rows = [header]
+    for name, result in results.items():
+        for level in result["levels"]:
+            base = plain.get(level["concurrency"])
+            rows.append((
+                name, str(level["concurrency"]), f"{level['output_tokens_per_second']:.1f}",
+                f"{level['output_tokens_per_second'] / base:.2f}x" if base else "-",
+                f"{level['tokens_per_second_per_request']:.1f}",
+                f"{level['itl_p50_ms']}/{level['itl_p99_ms']}", f"{level['ttft_p50_ms']}/{level['ttft_p99_ms']}",
+                str(level["errors"]),
+            ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["| " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths)) + " |" for row in rows]
+    lines.insert(1, "|" + "|".join("-" * (width + 2) for width in widths) + "|")
+    return "\n".join(lines)
