@@ -4,6 +4,7 @@ Every method runs on the same prompt before the next prompt starts (interleaved)
 noise hits all methods alike; each timing is the median of `repeats` runs.
 """
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -12,8 +13,9 @@ import torch
 
 from .drafters import ProposerOptions
 from .engine import Request
-from .layers import separate_projections
+from .layers import PackedLinear, separate_projections, unpacked_weights
 from .loader import LoadedModel, build_engine
+from .model import Segment
 from .verify import SamplingParams
 
 
@@ -198,32 +200,44 @@ def table(summary: dict) -> str:
 
 def decode_floor(model: LoadedModel, prefix: int = 300, runs: int = 20) -> dict:
     """One-token decode step of the engine (fused and separate projections) against the bare
-    chain of the model's matrix products (every Linear once, one token, inputs preallocated)."""
+    chain of the model's matrix products (every weight once, one token, inputs preallocated);
+    the verify forward by tokens and the batched decode step by sequences, with packed weights
+    and with torch's plain F.linear (layers.PackedLinear)."""
     target = model.target
-    weights = [m.weight for m in target.modules() if isinstance(m, torch.nn.Linear) and m is not target.lm_head]
-    weights.append(target.lm_head.weight)
+    linears = [(name, m) for name, m in target.named_modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
+    weights = [m.weight for name, m in linears if not name.endswith((".qkv", ".gate_up"))]  # fused: counted apart
     inputs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in weights}  # the MLP down projection is wider
 
     def matmul_chain():
         for w in weights:
             torch.nn.functional.linear(inputs[w.shape[1]], w)
 
-    cache = target.new_cache(prefix + 8)  # every step is cropped back to the prefix
-    target(torch.randint(0, 1000, (prefix,)), cache)
+    caches = [target.new_cache(prefix + 8) for _ in range(8)]  # every step is cropped back to the prefix
+    for cache in caches:
+        target(torch.randint(0, 1000, (prefix,)), cache)
 
     def decode_step():
-        target(torch.tensor([5]), cache)
-        cache.crop(prefix)
+        target(torch.tensor([5]), caches[0])
+        caches[0].crop(prefix)
 
     def decode_step_separate():
         with separate_projections(target):
             decode_step()
 
     def verify_step(num_tokens: int):  # [last token, drafts...]: what one speculative step verifies
-        target(torch.arange(5, 5 + num_tokens), cache)
-        cache.crop(prefix)
+        target(torch.arange(5, 5 + num_tokens), caches[0])
+        caches[0].crop(prefix)
 
-    timings = {"verify_ms_by_tokens": {n: _median_ms(lambda n=n: verify_step(n), runs) for n in range(1, 9)}}
+    def batch_step(num_sequences: int):  # one decode token for each of several sequences, one forward
+        target.forward_batch([Segment(torch.tensor([5]), cache, 1) for cache in caches[:num_sequences]])
+        for cache in caches[:num_sequences]:
+            cache.crop(prefix)
+
+    timings = {}
+    for layout, context in (("packed", contextlib.nullcontext), ("plain", lambda: unpacked_weights(target))):
+        with context():
+            timings[f"verify_ms_by_tokens_{layout}"] = {n: _median_ms(lambda n=n: verify_step(n), runs) for n in range(1, 9)}
+            timings[f"batch_ms_by_sequences_{layout}"] = {n: _median_ms(lambda n=n: batch_step(n), runs) for n in (1, 2, 4, 8)}
     for name, fn in (("decode_step_ms", decode_step), ("decode_step_separate_ms", decode_step_separate),
                      ("matmul_floor_ms", matmul_chain)):
         timings[name] = _median_ms(fn, runs)

@@ -279,8 +279,11 @@ def cmd_bench(args) -> None:
         print(f"\none decode step (300-token prefix): {kernels['decode_step_ms']} ms fused, "
               f"{kernels['decode_step_separate_ms']} ms with separate q/k/v and gate/up products; "
               f"bare matrix-product chain: {kernels['matmul_floor_ms']} ms")
-        print("verify forward (ms) by tokens verified (last token + drafts): "
-              + ", ".join(f"{n}: {ms}" for n, ms in kernels["verify_ms_by_tokens"].items()))
+        for layout in ("packed", "plain"):
+            print(f"verify forward (ms) by tokens verified (last token + drafts), {layout} weights: "
+                  + ", ".join(f"{n}: {ms}" for n, ms in kernels[f"verify_ms_by_tokens_{layout}"].items()))
+            print(f"batched decode step (ms) by sequences, {layout} weights: "
+                  + ", ".join(f"{n}: {ms}" for n, ms in kernels[f"batch_ms_by_sequences_{layout}"].items()))
     if args.emit_performance:
         write_performance(performance_block(summary), Path(args.emit_performance))
     if args.json:

@@ -45,9 +45,9 @@ def test_separate_projections_compute_the_same_and_restore_the_fusion(tiny_llama
     tokens = torch.tensor([5, 17, 42, 8])
     fused = tiny_llama(tokens, tiny_llama.new_cache(8)).logits
     with separate_projections(tiny_llama):
-        assert all(layer.self_attn.qkv_weight is None and layer.mlp.gate_up_weight is None for layer in tiny_llama.layers)
+        assert all(layer.self_attn.qkv is None and layer.mlp.gate_up is None for layer in tiny_llama.layers)
         separate = tiny_llama(tokens, tiny_llama.new_cache(8)).logits
-    assert all(layer.self_attn.qkv_weight is not None for layer in tiny_llama.layers)
+    assert all(layer.self_attn.qkv is not None for layer in tiny_llama.layers)
     torch.testing.assert_close(fused, separate, rtol=1e-5, atol=1e-5)
 
 

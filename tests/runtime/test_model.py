@@ -93,8 +93,8 @@ def test_fused_projections_share_storage_and_compute_the_same(tiny_llama):
     from specserve_runtime.layers import fuse_projections
 
     attention, mlp = tiny_llama.layers[0].self_attn, tiny_llama.layers[0].mlp
-    assert attention.q_proj.weight.data_ptr() == attention.qkv_weight.data_ptr()  # views: no extra memory
-    assert mlp.up_proj.weight.data_ptr() == mlp.gate_up_weight[mlp.gate_proj.out_features :].data_ptr()
+    assert attention.q_proj.weight.data_ptr() == attention.qkv.weight.data_ptr()  # views: no extra memory
+    assert mlp.up_proj.weight.data_ptr() == mlp.gate_up.weight[mlp.gate_proj.out_features :].data_ptr()
 
     drafter = random_drafter(DFlashConfig.for_target(tiny_llama.config, 2, 4, mask_token_id=95), seed=1)
     fused = fuse_projections(copy.deepcopy(drafter))
@@ -102,4 +102,24 @@ def test_fused_projections_share_storage_and_compute_the_same(tiny_llama):
     embeds, positions = torch.randn(4, tiny_llama.config.hidden_size), torch.arange(6, 10)
     separate = drafter(embeds, positions, drafter.context_kv(taps, torch.arange(6)))
     torch.testing.assert_close(fused(embeds, positions, fused.context_kv(taps, torch.arange(6))), separate)
-    assert drafter.layers[0].mlp.gate_up_weight is None and fused.layers[0].mlp.gate_up_weight is not None
+    assert drafter.layers[0].mlp.gate_up is None and fused.layers[0].mlp.gate_up is not None
+
+
+def test_packed_linears_compute_what_f_linear_computes(tiny_llama):
+    """load_target packs every matrix product (the LM head too, still tied to the embedding)."""
+    from specserve_runtime.layers import PackedLinear, unpacked_weights
+
+    assert tiny_llama.lm_head.weight is tiny_llama.embed_tokens.weight
+    packed = [m for m in tiny_llama.modules() if isinstance(m, PackedLinear)]
+    assert len(packed) == 1 + 4 * tiny_llama.config.num_hidden_layers  # qkv, o, gate_up, down per layer
+    assert all(m.packed is not None for m in packed) == torch.backends.mkldnn.is_available()
+    for rows in (0, 1, 3, 8):
+        x = torch.randn(rows, tiny_llama.config.hidden_size)
+        torch.testing.assert_close(tiny_llama.lm_head(x), x @ tiny_llama.lm_head.weight.T, rtol=1e-4, atol=1e-4)
+    tokens = torch.tensor([5, 17, 42, 8])
+    logits = tiny_llama(tokens, tiny_llama.new_cache(8)).logits
+    with unpacked_weights(tiny_llama):
+        assert all(m.packed is None for m in packed)
+        plain = tiny_llama(tokens, tiny_llama.new_cache(8)).logits
+    assert all(m.packed is not None for m in packed) == torch.backends.mkldnn.is_available()
+    torch.testing.assert_close(logits, plain, rtol=1e-4, atol=1e-4)
