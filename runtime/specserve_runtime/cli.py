@@ -206,7 +206,7 @@ def run_embedded_server(args) -> None:
     method = "ar" if args.method == "none" else args.method
     model = load_model(args.model)
     engine = build_engine(model, method, ProposerOptions(args.drafter, args.num_speculative_tokens),
-                          args.max_num_batched_tokens)
+                          args.max_num_batched_tokens, adaptive=args.speculation == "adaptive")
     served_name = args.served_model_name or Path(str(args.model)).name
     server = Server(model, engine, served_name, method, args.drafter, args.max_concurrency, args.max_num_seqs)
     print(f"serving {served_name} ({method}) on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
@@ -374,6 +374,9 @@ def build_parser() -> Parser:
     serve.add_argument("--max-concurrency", type=int, default=32, help="requests admitted at once; more get 429")
     serve.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
                        help=f"requests decoded together in one batch; more wait (default {DEFAULT_MAX_NUM_SEQS})")
+    serve.add_argument("--speculation", choices=("adaptive", "fixed"), default="adaptive",
+                       help="adaptive: drafts per step chosen from measured tokens/s at the current batch size, "
+                            "up to --num-speculative-tokens; fixed: always that many (default adaptive)")
     serve.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_TOKEN_BUDGET,
                        help=f"tokens per engine step: verify blocks first, then prompt chunks (default {DEFAULT_TOKEN_BUDGET})")
     serve.add_argument("--config", help="a runtime configuration file (what the operator renders)")

@@ -7,8 +7,9 @@ The loop is batched (continuous batching, as in vLLM's v1 scheduler): `step` run
 forward for every sequence in the batch, and sequences join or leave between steps. Running
 sequences go first, each verifying its drafts; what is left of the step's token budget
 prefills waiting prompts, in chunks, so a long prompt never stalls the decodes beside it.
-Every sequence has its own KV cache, drafter state and random generator, so its output is
-exactly what it would be alone.
+Every sequence has its own KV cache and drafter state, and samples the token at each output
+position with a random number fixed by its seed and that position, so its output is exactly what
+it would be alone.
 """
 
 import copy
@@ -18,11 +19,12 @@ from typing import Iterator
 
 import torch
 
+from .adaptive import DraftLengthChooser
 from .config import DEFAULT_TOKEN_BUDGET
 from .drafters import Proposer
 from .kv_cache import KVCache
 from .model import Segment, Transformer
-from .verify import SamplingParams, accept, target_tokens
+from .verify import SamplingParams, accept, position_uniforms, target_tokens
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,6 @@ class Sequence:
     request: Request
     stats: Result
     stopper: StopChecker
-    generator: torch.Generator
     cache: KVCache
     proposer: Proposer  # this sequence's own copy: drafter state is per sequence
     capacity: int
@@ -127,11 +128,17 @@ class Sequence:
 
 class Engine:
     def __init__(self, target: Transformer, tokenizer, proposer: Proposer, eos_ids: set[int],
-                 token_budget: int = DEFAULT_TOKEN_BUDGET):
+                 token_budget: int = DEFAULT_TOKEN_BUDGET, adaptive: bool = False):
+        """`adaptive`: choose the drafts per sequence each step from measurements (adaptive.py);
+        otherwise every step drafts what the proposer is set to."""
         if token_budget < 1:
             raise ValueError(f"the token budget per step must be >= 1, got {token_budget}")
         self.target, self.tokenizer, self.proposer, self.eos_ids = target, tokenizer, proposer, eos_ids
         self.token_budget = token_budget
+        # Plain decoding (no drafts) has nothing to adapt.
+        adaptive = adaptive and proposer.num_speculative_tokens > 0
+        self.chooser = DraftLengthChooser(proposer.num_speculative_tokens) if adaptive else None
+        self.draft_length: int | None = None  # the adaptive choice of the last decode step
 
     def add(self, request: Request, stats: Result | None = None) -> Sequence:
         """A new sequence, ready to join the next step; `stats`, if given, is filled as it runs."""
@@ -140,21 +147,23 @@ class Engine:
         proposer = copy.copy(self.proposer)  # shares the drafter's weights; begin() gives it fresh state
         proposer.begin(capacity)
         return Sequence(request, stats or Result.empty(request), StopChecker(self.tokenizer, self.eos_ids, request),
-                        torch.Generator().manual_seed(request.seed), self.target.new_cache(capacity), proposer,
-                        capacity, list(request.prompt_ids))
+                        self.target.new_cache(capacity), proposer, capacity, list(request.prompt_ids))
 
     def step(self, batch: list[Sequence]) -> list[Step | None]:
         """One target forward for the batch. Returns, per sequence, what it committed, or None for a
         prompt still being prefilled. A finished sequence must leave the batch."""
         if any(sequence.finish_reason for sequence in batch):
             raise ValueError("a finished sequence cannot take another step")
-        budget = self.token_budget
+        started, budget = time.perf_counter(), self.token_budget
+        decoding = [sequence for sequence in batch if not sequence.prefilling]
+        if self.chooser and decoding:
+            self.draft_length = self.chooser.choose(len(decoding))
+        length = self.draft_length if self.chooser else None
         work: list[tuple[Sequence, list[int], list[int] | None]] = []  # (sequence, new tokens, drafts)
-        for sequence in batch:
-            if not sequence.prefilling:  # running sequences first: verify [last committed token, drafts...]
-                drafts = self._propose(sequence)
-                work.append((sequence, sequence.tokens[-1:] + drafts, drafts))
-                budget -= 1 + len(drafts)
+        for sequence in decoding:  # running sequences first: verify [last committed token, drafts...]
+            drafts = self._propose(sequence, length)
+            work.append((sequence, sequence.tokens[-1:] + drafts, drafts))
+            budget -= 1 + len(drafts)
         for sequence in batch:
             if sequence.prefilling and budget > 0:
                 chunk = sequence.request.prompt_ids[sequence.num_prefilled : sequence.num_prefilled + budget]
@@ -172,6 +181,9 @@ class Engine:
                 steps[id(sequence)] = self._prefilled(sequence, len(new_tokens), out)
             else:
                 steps[id(sequence)] = self._verified(sequence, drafts, out)
+        if length is not None and len(work) == len(decoding) == len(batch):  # a decode step, no prompt chunk in it
+            committed = sum(steps[id(sequence)].num_accepted + 1 for sequence in decoding)
+            self.chooser.record(len(decoding), length, committed, time.perf_counter() - started)
         return [steps.get(id(sequence)) for sequence in batch]
 
     def stream(self, request: Request, stats: Result | None = None) -> Iterator[Step]:
@@ -188,17 +200,18 @@ class Engine:
             pass
         return result
 
-    def _propose(self, sequence: Sequence) -> list[int]:
+    def _propose(self, sequence: Sequence, length: int | None) -> list[int]:
         remaining = sequence.request.max_new_tokens - len(sequence.stopper.token_ids)
         room = sequence.capacity - sequence.cache.length - 2
-        return sequence.proposer.propose(sequence.tokens, max_drafts=min(remaining - 1, room))
+        limit = min(remaining - 1, room) if length is None else min(remaining - 1, room, length)
+        return sequence.proposer.propose(sequence.tokens, max_drafts=limit)
 
     def _prefilled(self, sequence: Sequence, num_tokens: int, out) -> Step | None:
         sequence.proposer.extend_context(out.taps)
         sequence.num_prefilled += num_tokens
         if sequence.prefilling:
             return None
-        first = target_tokens(out.logits, sequence.request.sampling, sequence.generator).tolist()
+        first = target_tokens(out.logits, sequence.request.sampling, self._uniforms(sequence, 1)).tolist()
         sequence.tokens += first
         sequence.first_token_at = time.perf_counter()
         sequence.stats.prefill_seconds = sequence.first_token_at - sequence.started
@@ -206,7 +219,8 @@ class Engine:
 
     def _verified(self, sequence: Sequence, drafts: list[int], out) -> Step:
         request = sequence.request
-        committed = accept(torch.tensor(drafts, dtype=torch.long), out.logits, request.sampling, sequence.generator)
+        uniforms = self._uniforms(sequence, len(drafts) + 1)
+        committed = accept(torch.tensor(drafts, dtype=torch.long), out.logits, request.sampling, uniforms)
         num_accepted = len(committed) - 1
         # The cache now holds the whole block; keep the last committed token and the accepted
         # drafts. The bonus token is not in the cache yet: it opens the next block.
@@ -215,6 +229,13 @@ class Engine:
         sequence.tokens += committed
         _record(sequence.stats, len(drafts), num_accepted)
         return self._commit(sequence, committed, len(drafts), num_accepted)
+
+    def _uniforms(self, sequence: Sequence, count: int) -> torch.Tensor | None:
+        """Random numbers for the next `count` output positions of a sampled request (none for greedy)."""
+        request = sequence.request
+        if request.sampling.temperature == 0:
+            return None
+        return position_uniforms(request.seed, len(sequence.tokens) - len(request.prompt_ids), count)
 
     def _commit(self, sequence: Sequence, committed: list[int], num_draft_tokens: int, num_accepted: int) -> Step:
         stopper, emitted = sequence.stopper, []

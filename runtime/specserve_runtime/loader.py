@@ -63,8 +63,8 @@ def _eos_ids(folder: Path, tokenizer) -> set[int]:
 
 
 def build_engine(model: LoadedModel, method: str, options: ProposerOptions = ProposerOptions(),
-                 token_budget: int = DEFAULT_TOKEN_BUDGET) -> Engine:
+                 token_budget: int = DEFAULT_TOKEN_BUDGET, adaptive: bool = False) -> Engine:
     if method == "dflash" and options.drafter == "random" and options.mask_token_id is None:
         options = ProposerOptions(options.drafter, options.num_speculative_tokens, model.mask_token_id(), options.seed)
     proposer = build_proposer(method, model.target, options)
-    return Engine(model.target, model.tokenizer, proposer, model.eos_ids, token_budget)
+    return Engine(model.target, model.tokenizer, proposer, model.eos_ids, token_budget, adaptive)

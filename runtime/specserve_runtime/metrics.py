@@ -48,6 +48,9 @@ class Metrics:
         self.itl = histogram("vllm:inter_token_latency_seconds", "Time between token emissions", ITL_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish", REQUEST_LATENCY_BUCKETS)
         self.queue_time = histogram("vllm:request_queue_time_seconds", "Time spent waiting", REQUEST_LATENCY_BUCKETS)
+        self.draft_length = Gauge("specserve_spec_decode_draft_length",
+                                  "Draft tokens per sequence the adaptive rule chose for the last decode step",
+                                  LABELS, registry=registry)
         self.rejected = Counter("specserve_requests_rejected", "Requests refused (queue full, draining)", LABELS + ["reason"],
                                 registry=registry)
         Info("specserve_runtime", "What this runtime serves", registry=registry).info(

@@ -37,9 +37,9 @@ def requests() -> list[Request]:
     ]
 
 
-def build(target, method: str, token_budget: int = 512) -> Engine:
+def build(target, method: str, token_budget: int = 512, adaptive: bool = False) -> Engine:
     proposer = NoDraft() if PROPOSERS[method] is None else build_proposer(method, target, PROPOSERS[method])
-    return Engine(target, ByteTokenizer(), proposer, {2}, token_budget)
+    return Engine(target, ByteTokenizer(), proposer, {2}, token_budget, adaptive)
 
 
 def run_batched(engine: Engine, requests: list[Request], joins: dict[int, int]):
@@ -74,6 +74,18 @@ def test_each_sequence_of_a_batch_decodes_exactly_as_it_would_alone(tiny_llama, 
                                                                            single.num_accepted_tokens)
     if method == "ngram":
         assert sum(result.num_accepted_tokens for result in together) > 0  # verify blocks were really batched
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle3", "dflash"])
+def test_a_seeded_sample_is_the_same_text_with_and_without_speculation(tiny_llama, method):
+    """Every position's token is drawn with a number fixed by (seed, position), so speculation, like
+    batching, changes nothing of a seeded sampled request, not just its distribution."""
+    plain, speculative = build(tiny_llama, "ar"), build(tiny_llama, method)
+    for seed in range(5):
+        request = Request([5, 17, 42, 8, 5, 17], 30, SamplingParams(temperature=0.9, top_p=0.95), seed=seed)
+        assert speculative.generate(request).token_ids == plain.generate(request).token_ids
+    other_seed = Request([5, 17, 42, 8, 5, 17], 30, SamplingParams(temperature=0.9, top_p=0.95), seed=99)
+    assert plain.generate(other_seed).token_ids != plain.generate(request).token_ids  # the seed matters
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_running_sequences_keep_decoding(tiny_llama):

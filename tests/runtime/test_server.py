@@ -180,6 +180,9 @@ class HeldEngine:
         self.holding = threading.Event()  # the first tokens are out and the engine is blocked
         self.release = threading.Event()
 
+    def __getattr__(self, name):  # everything else is the wrapped engine's
+        return getattr(self.engine, name)
+
     def add(self, request, stats=None):
         return self.engine.add(request, stats)
 
@@ -197,6 +200,9 @@ class FailingEngine:
 
     def __init__(self, engine):
         self.engine, self.steps = engine, 0
+
+    def __getattr__(self, name):  # everything else is the wrapped engine's
+        return getattr(self.engine, name)
 
     def add(self, request, stats=None):
         return self.engine.add(request, stats)
@@ -287,6 +293,9 @@ class GatedEngine:
 
     def __init__(self, engine):
         self.engine, self.sizes, self.open = engine, [], threading.Event()
+
+    def __getattr__(self, name):  # everything else is the wrapped engine's
+        return getattr(self.engine, name)
 
     def add(self, request, stats=None):
         return self.engine.add(request, stats)

@@ -20,6 +20,7 @@ class Proposer(Protocol):
     state anew, never change state that the copies share."""
 
     tap_layers: tuple[int, ...]  # target layers whose outputs this proposer conditions on
+    num_speculative_tokens: int  # the most drafts it proposes per step
 
     def begin(self, capacity: int) -> None:
         """Start a sequence that holds at most `capacity` tokens."""
@@ -35,6 +36,7 @@ class NoDraft:
     """Plain autoregressive decoding: the shared loop with an empty draft verifies one token per step."""
 
     tap_layers: tuple[int, ...] = ()
+    num_speculative_tokens = 0
 
     def begin(self, capacity: int) -> None:
         pass

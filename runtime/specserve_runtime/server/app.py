@@ -117,6 +117,8 @@ class Worker:
                 batch = []
                 continue
             now = time.perf_counter()
+            if self.engine.draft_length is not None:
+                self.metrics.of(self.metrics.draft_length).set(self.engine.draft_length)
             for running, step in zip(batch, steps):
                 if step is not None:
                     self._advance(running, step, now)
