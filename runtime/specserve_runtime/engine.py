@@ -156,9 +156,9 @@ class Engine:
             raise ValueError("a finished sequence cannot take another step")
         started, budget = time.perf_counter(), self.token_budget
         decoding = [sequence for sequence in batch if not sequence.prefilling]
-        if self.chooser and decoding:
-            self.draft_length = self.chooser.choose(len(decoding))
-        length = self.draft_length if self.chooser else None
+        length = self.chooser.choose(len(decoding)) if self.chooser and decoding else None  # None: the proposer's own
+        if length is not None:
+            self.draft_length = length
         work: list[tuple[Sequence, list[int], list[int] | None]] = []  # (sequence, new tokens, drafts)
         for sequence in decoding:  # running sequences first: verify [last committed token, drafts...]
             drafts = self._propose(sequence, length)

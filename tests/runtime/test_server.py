@@ -288,6 +288,53 @@ async def test_engine_failure_is_a_500_counted_as_finished_reason_error(smollm2)
         server.worker.stop()
 
 
+class RefusingEngine:
+    """Wraps an engine: a request whose prompt is longer than `limit` tokens cannot start."""
+
+    def __init__(self, engine, limit):
+        self.engine, self.limit = engine, limit
+
+    def __getattr__(self, name):  # everything else is the wrapped engine's
+        return getattr(self.engine, name)
+
+    def add(self, request, stats=None):
+        if len(request.prompt_ids) > self.limit:
+            raise MemoryError("no room for its KV cache")
+        return self.engine.add(request, stats)
+
+    def step(self, batch):
+        return self.engine.step(batch)
+
+
+async def test_a_request_that_cannot_start_fails_alone(smollm2):
+    """While one request streams, another that cannot get its KV cache gets a 500; the first finishes."""
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from specserve_runtime.server.app import Server
+
+    server = Server(smollm2, RefusingEngine(build_engine(smollm2, "ar"), limit=8), MODEL, "ar", None)
+    metrics = server.metrics
+    try:
+        async with TestServer(server.app()) as test_server, aiohttp.ClientSession() as session:
+            url = str(test_server.make_url("/v1/completions"))
+            streaming = await session.post(url, json={"model": MODEL, "prompt": "The sea", "max_tokens": 24,
+                                                      "temperature": 0, "stream": True})
+            assert streaming.status == 200
+            long_prompt = {"model": MODEL, "prompt": "one two three four five six seven eight nine ten",
+                           "max_tokens": 4, "temperature": 0}
+            failed = await session.post(url, json=long_prompt)
+            assert failed.status == 500 and "no room for its KV cache" in (await failed.json())["error"]["message"]
+            body = (await streaming.read()).decode()
+            assert body.endswith("data: [DONE]\n\n")
+    finally:
+        server.worker.stop()
+    finished = {reason: metrics.of(metrics.success, finished_reason=reason)._value.get()
+                for reason in ("stop", "length", "abort", "error")}
+    assert finished["error"] == 1 and finished["stop"] + finished["length"] == 1 and finished["abort"] == 0
+    assert metrics.of(metrics.running)._value.get() == 0
+
+
 class GatedEngine:
     """Wraps an engine: every step waits for `open`, and the batch sizes it ran are recorded."""
 

@@ -125,18 +125,25 @@ class Worker:
             batch = [running for running in batch if running.sequence.finish_reason is None]
 
     def _start(self, job: Job) -> list[Running]:
-        """The job's place in the batch (none if it was cancelled while it waited)."""
+        """The job's place in the batch: none if it was cancelled while it waited, or cannot start."""
         metrics = self.metrics
         metrics.of(metrics.waiting).dec()
         if job.cancelled.is_set():
             self._release(job)
             self._emit(job, _DONE)
             return []
+        result = Result.empty(job.request)
+        try:
+            sequence = self.engine.add(job.request, result)
+        except Exception as exc:  # e.g. no memory for its KV cache: this request fails, the batch goes on
+            metrics.of(metrics.success, finished_reason="error").inc()
+            self._emit(job, exc)
+            self._release(job)
+            return []
         metrics.of(metrics.queue_time).observe(time.perf_counter() - job.arrived)
         metrics.of(metrics.running).inc()
         metrics.of(metrics.prompt_tokens).inc(len(job.request.prompt_ids))
-        result = Result.empty(job.request)
-        return [Running(job, self.engine.add(job.request, result), result)]
+        return [Running(job, sequence, result)]
 
     def _advance(self, running: Running, step, now: float) -> None:
         metrics = self.metrics
