@@ -30,7 +30,7 @@ class MethodStats:
     e2e_tps: list[float] = field(default_factory=list)
     decode_seconds: float = 0.0
     ttft_ms: list[float] = field(default_factory=list)  # per prompt: the prefill that yields the first token
-    lossless: bool | None = True  # None: not checkable (sampled runs differ by design)
+    lossless: bool | None = True  # None: not checkable (a greedy baseline against sampled runs)
     by_category: dict[str, list[float]] = field(default_factory=dict)  # category -> per-prompt tau
 
     @property
@@ -57,9 +57,9 @@ def run_bench(model: LoadedModel, methods: list[str], baselines: list[str], prom
     stats = {name: MethodStats() for name in methods + [f"hf-{b}" for b in baselines]}
     hf_model = _hf_model(model) if baselines else None
     sampling = SamplingParams(temperature=temperature)
-    if temperature > 0:  # sampled outputs follow the target's distribution but are not token-identical
-        for s in stats.values():
-            s.lossless = None
+    if temperature > 0:  # transformers' baselines run greedy: nothing to compare a sampled output with
+        for baseline in baselines:
+            stats[f"hf-{baseline}"].lossless = None
     warmup = model.encode(prompts[0]["prompt"])  # first calls pay for allocation and kernel selection
     for engine in engines.values():
         engine.generate(Request(warmup, 8))
@@ -90,7 +90,7 @@ def run_bench(model: LoadedModel, methods: list[str], baselines: list[str], prom
             s.by_category.setdefault(record.get("category", "all"), []).append(result.acceptance_length)
             if method == "ar":
                 reference = result.token_ids
-            elif reference is not None and temperature == 0 and result.token_ids != reference:
+            elif reference is not None and result.token_ids != reference:  # sampled too: same seed, same tokens
                 s.lossless = False
         for baseline in baselines:
             tokens, seconds = _median_run(lambda b=baseline: _hf_generate(hf_model, ids, max_new_tokens, b), repeats)
