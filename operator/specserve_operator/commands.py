@@ -122,11 +122,17 @@ def cmd_operator(args) -> int:
     import kopf
     from prometheus_client import start_http_server
 
-    from . import main  # noqa: F401  (registers the handlers)
+    from .validate import InputProblems
 
     if not args.all_namespaces and not args.namespace:
         print("specserve operator: pass --namespace NS (repeatable) or --all-namespaces", file=sys.stderr)
         return 2
+    try:
+        from . import main  # registers the handlers; reads the tick settings
+
+        main.settings_from_env()  # every setting checked before kopf starts, not in its startup handler
+    except InputProblems as exc:
+        return exc.report()
     start_http_server(args.metrics_port)
     kopf.run(
         standalone=True,

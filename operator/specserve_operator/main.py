@@ -18,15 +18,43 @@ from .measure import PrometheusSource, ScrapeSource
 from .reconcile import Outcome, cleanup, reconcile
 from .render import Settings
 from .scenario import load_capacity_priors
+from .validate import InputProblems
+
+
+def seconds_from_env(name: str, default: float) -> float:
+    """A duration setting from the environment; a value that is not a positive number is an error naming it."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise InputProblems([f"{name}={raw!r}: expected a positive number of seconds (default {default:g})"])
+    return value
+
+
+def settings_from_env() -> Settings:
+    """The operator's settings from its environment (the chart sets them); a bad one is an error naming it."""
+    priors = os.environ.get("SPECSERVE_CAPACITY_PRIORS")
+    return Settings(
+        monitoring_namespace=os.environ.get("SPECSERVE_MONITORING_NAMESPACE", "monitoring"),
+        operator_namespace=os.environ.get("SPECSERVE_OPERATOR_NAMESPACE", "specserve-system"),
+        autoscale_interval_seconds=seconds_from_env("SPECSERVE_AUTOSCALE_INTERVAL_SECONDS", 30),
+        capacity_priors=load_capacity_priors(Path(priors)) if priors else {},
+        replica_startup_seconds=seconds_from_env("SPECSERVE_REPLICA_STARTUP_SECONDS", 120),
+    )
+
 
 SERVINGS = (api.GROUP, api.VERSION, "speculativeservings")
 PROFILES = (api.GROUP, api.VERSION, "servingprofiles")
-RESYNC_SECONDS = float(os.environ.get("SPECSERVE_RESYNC_SECONDS", "30"))
+RESYNC_SECONDS = seconds_from_env("SPECSERVE_RESYNC_SECONDS", 30)
 # While a rollout runs or autoscaling is on, reconcile this often: an analysis is due every
 # spec.rollout.analysis.intervalSeconds (at least 10 s), an autoscaling evaluation every
 # SPECSERVE_AUTOSCALE_INTERVAL_SECONDS; this tick bounds how late they run and how soon an
 # annotation is acted on.
-DECISION_TICK_SECONDS = float(os.environ.get("SPECSERVE_DECISION_TICK_SECONDS", "5"))
+DECISION_TICK_SECONDS = seconds_from_env("SPECSERVE_DECISION_TICK_SECONDS", 5)
 
 
 RECONCILES = Counter("specserve_operator_reconciles", "Reconciliations of SpeculativeServings", ["result"])
@@ -47,13 +75,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_):
     settings.posting.level = 20  # INFO and above become Kubernetes Events
     settings.watching.server_timeout = 300
     memo.cluster = memo.get("cluster") or Cluster()
-    memo.settings = Settings(
-        monitoring_namespace=os.environ.get("SPECSERVE_MONITORING_NAMESPACE", "monitoring"),
-        operator_namespace=os.environ.get("SPECSERVE_OPERATOR_NAMESPACE", "specserve-system"),
-        autoscale_interval_seconds=float(os.environ.get("SPECSERVE_AUTOSCALE_INTERVAL_SECONDS", "30")),
-        capacity_priors=load_capacity_priors(Path(priors)) if (priors := os.environ.get("SPECSERVE_CAPACITY_PRIORS")) else {},
-        replica_startup_seconds=float(os.environ.get("SPECSERVE_REPLICA_STARTUP_SECONDS", "120")),
-    )
+    memo.settings = settings_from_env()
     # Canary measurements: Prometheus when configured, else the runtime pods' /metrics directly.
     prometheus = os.environ.get("SPECSERVE_PROMETHEUS_URL", "").strip()
     memo.source = memo.get("source") or (PrometheusSource(prometheus) if prometheus else ScrapeSource())
