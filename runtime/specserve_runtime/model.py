@@ -111,7 +111,7 @@ class Segment:
 
 @dataclass
 class TargetOutput:
-    logits: torch.Tensor  # [T, V] (or [1, V] when only the last position was asked for)
+    logits: torch.Tensor  # [num_logits, V]: the last rows of the segment's new tokens
     taps: torch.Tensor | None  # [T, len(tap_layers) * H]: tapped layer outputs, concatenated
 
 
