@@ -171,6 +171,14 @@ def performance_block(summary: dict) -> dict:
     return block
 
 
+def markdown_table(rows: list[tuple[str, ...]]) -> list[str]:
+    """A header row and data rows as the lines of an aligned Markdown table."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["| " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths)) + " |" for row in rows]
+    lines.insert(1, "|" + "|".join("-" * (width + 2) for width in widths) + "|")
+    return lines
+
+
 def table(summary: dict) -> str:
     rows = [("method", "tau", "tok/s", "decode tok/s", "speed-up vs ar", "lossless", "per-position acceptance")]
     for name, e in summary["methods"].items():
@@ -183,9 +191,7 @@ def table(summary: dict) -> str:
             {True: "yes", False: "NO", None: "n/a (T>0)"}[e["lossless"]],
             " ".join(f"{p:.2f}" for p in e["acceptance_per_position"][:8]) or "-",
         ))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths)) + " |" for row in rows]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    lines = markdown_table(rows)
     categories = sorted({c for e in summary["methods"].values() for c in e["acceptance_length_by_category"]})
     if len(categories) > 1:
         lines.append("")

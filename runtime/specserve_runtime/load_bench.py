@@ -19,7 +19,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-from .bench import scenario_method
+from .bench import markdown_table, method_spec, scenario_method
 
 
 @dataclass
@@ -190,8 +190,9 @@ class LocalServer:
 
 def serve_arguments(name: str) -> list[str]:
     """A bench method ('dflash', 'dflash:3') as `specserve serve` flags."""
-    method, _, tokens = name.partition(":")
-    return ["--method", method] + (["--num-speculative-tokens", tokens] if tokens else [])
+    method, options = method_spec(name)
+    tokens = options.num_speculative_tokens
+    return ["--method", method] + (["--num-speculative-tokens", str(tokens)] if tokens else [])
 
 
 def performance_block(results: dict[str, dict], max_num_seqs: int) -> dict:
@@ -229,7 +230,4 @@ def table(results: dict[str, dict]) -> str:
                 f"{level['itl_p50_ms']}/{level['itl_p99_ms']}", f"{level['ttft_p50_ms']}/{level['ttft_p99_ms']}",
                 str(level["errors"]),
             ))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["| " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths)) + " |" for row in rows]
-    lines.insert(1, "|" + "|".join("-" * (width + 2) for width in widths) + "|")
-    return "\n".join(lines)
+    return "\n".join(markdown_table(rows))

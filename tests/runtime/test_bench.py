@@ -198,3 +198,10 @@ def test_load_bench_measures_a_live_server_at_each_concurrency(tmp_path, capsys)
     block = Performance.model_validate(yaml.safe_load(performance.read_text()))
     assert block.none.max_concurrency == 3 and [row.concurrency for row in block.eagle3.curve] == [1, 3]
     assert "| eagle3" in "\n".join(out)
+
+
+def test_a_bench_variant_becomes_serve_flags():
+    from specserve_runtime.load_bench import serve_arguments
+
+    assert serve_arguments("dflash:3") == ["--method", "dflash", "--num-speculative-tokens", "3"]
+    assert serve_arguments("ar") == ["--method", "ar"]
