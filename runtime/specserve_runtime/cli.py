@@ -294,6 +294,8 @@ def bench_server(args, methods: list[str], prompts: list[str]) -> None:
     """Closed-loop load at each --concurrency: against --url, or a `specserve serve` per method."""
     from contextlib import nullcontext
 
+    from specserve_operator.canary import CanaryFailure
+
     from .load_bench import LocalServer, measure_server, performance_block, serve_arguments, table
 
     concurrencies = _int_list(args.concurrency, "--concurrency")
@@ -317,9 +319,12 @@ def bench_server(args, methods: list[str], prompts: list[str]) -> None:
             f"concurrency {', '.join(map(str, concurrencies))}")
         server = nullcontext(args.url.rstrip("/")) if args.url else LocalServer(method, args.model, batch,
                                                                                serve_arguments(method))
-        with server as url:
-            results[method] = measure_server(url, prompts, concurrencies, args.requests_per_client,
-                                             args.max_new_tokens, log)
+        try:
+            with server as url:
+                results[method] = measure_server(url, prompts, concurrencies, args.requests_per_client,
+                                                 args.max_new_tokens, log)
+        except CanaryFailure as exc:  # the server did not start: its log's last lines name why
+            raise UsageError(f"bench --concurrency: {exc}") from exc
     print(table(results))
     if args.emit_performance:
         write_performance(performance_block(results, batch), Path(args.emit_performance))

@@ -12,12 +12,14 @@ the highest concurrency, so one run measures every method on the same machine, p
 
 import asyncio
 import json
+import math
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .bench import markdown_table, method_spec, scenario_method
 
@@ -118,14 +120,12 @@ async def run_level(url: str, model: str, prompts: list[str], concurrency: int, 
 
 
 def acceptance_length(metrics_text: str) -> float:
-    """1 + accepted / drafts from a /metrics page (vLLM's names); 1.0 without drafts."""
-    values = {}
-    for line in metrics_text.splitlines():
-        for name in ("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_drafts_total"):
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    drafts = values.get("vllm:spec_decode_num_drafts_total", 0.0)
-    return 1 + values.get("vllm:spec_decode_num_accepted_tokens_total", 0.0) / drafts if drafts else 1.0
+    """1 + accepted / drafts from a /metrics page (vLLM's names, parsed as the operator parses them)."""
+    from specserve_operator.measure import ACCEPTED, DRAFTS, parse_metrics
+
+    values = parse_metrics(metrics_text)
+    drafts = values.get((DRAFTS, ""), 0.0)
+    return 1 + values.get((ACCEPTED, ""), 0.0) / drafts if drafts else 1.0
 
 
 def served_model(url: str) -> str:
@@ -151,41 +151,37 @@ def measure_server(url: str, prompts: list[str], concurrencies: list[int], reque
 
 
 class LocalServer:
-    """`specserve serve` for one method on a free loopback port, stopped on exit."""
+    """`specserve serve` for one method on a free loopback port, started and stopped as the canary
+    command starts its runtimes (its log in a temporary folder, named when it fails)."""
 
     def __init__(self, method: str, model: str, max_num_seqs: int, extra: list[str]):
-        import socket
+        from specserve_operator.canary import free_port
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.command = [sys.executable, "-m", "specserve_runtime.cli", "serve", "--model", model, "--port",
-                        str(self.port), "--max-num-seqs", str(max_num_seqs), "--max-concurrency",
+        self.port = free_port()
+        self.command = [sys.executable, "-m", "specserve_runtime.cli", "serve", "--model", model, "--host", "127.0.0.1",
+                        "--port", str(self.port), "--max-num-seqs", str(max_num_seqs), "--max-concurrency",
                         str(2 * max_num_seqs), *extra]
         self.method = method
-        self.url = f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> str:
         """Start the server; its base URL once it is ready."""
-        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"specserve serve --method {self.method} exited: {self.process.stderr.read()[-2000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/ready", timeout=2):
-                    return self.url
-            except OSError:
-                time.sleep(0.5)
-        self.process.kill()
-        raise RuntimeError(f"specserve serve --method {self.method} was not ready within 300 s")
+        from specserve_operator.canary import READY_SECONDS, spawn, wait_ready
+
+        self.work = tempfile.TemporaryDirectory(prefix="specserve-bench-")
+        self.child = spawn(f"specserve serve --method {self.method}", self.command, Path(self.work.name) / "serve.log")
+        url = f"http://127.0.0.1:{self.port}"
+        try:  # no overall bound beyond the runtime's own READY_SECONDS
+            wait_ready(url + "/ready", self.child, time.monotonic() + READY_SECONDS, math.inf)
+        except BaseException:
+            self.__exit__()
+            raise
+        return url
 
     def __exit__(self, *exc) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+        from specserve_operator.canary import stop_children
+
+        stop_children([self.child])
+        self.work.cleanup()
 
 
 def serve_arguments(name: str) -> list[str]:

@@ -205,3 +205,13 @@ def test_a_bench_variant_becomes_serve_flags():
 
     assert serve_arguments("dflash:3") == ["--method", "dflash", "--num-speculative-tokens", "3"]
     assert serve_arguments("ar") == ["--method", "ar"]
+
+
+@pytest.mark.slow
+def test_load_bench_names_why_its_server_did_not_start(tmp_path, capsys):
+    from specserve_runtime.cli import main
+
+    absent = tmp_path / "no-such-model"
+    assert main(["bench", "--methods", "ar", "--concurrency", "1", "--limit", "1", "--model", str(absent)]) == 2
+    error = capsys.readouterr().err
+    assert "bench --concurrency: specserve serve --method ar exited with code 2" in error and str(absent) in error
