@@ -170,21 +170,31 @@ def test_health_ready_and_metrics(server, client):
     assert 'le="2560.0"' in text  # vLLM's last TTFT bucket boundary
 
 
-class HeldEngine:
-    """Wraps an engine: once a step has emitted tokens, the next step blocks until `release` is set, so
-    the request provably holds its slot for as long as a test needs."""
+class WrappedEngine:
+    """A test double around a real engine: it delegates everything a subclass does not override."""
 
     def __init__(self, engine):
         self.engine = engine
-        self.emitted = False
-        self.holding = threading.Event()  # the first tokens are out and the engine is blocked
-        self.release = threading.Event()
 
-    def __getattr__(self, name):  # everything else is the wrapped engine's
+    def __getattr__(self, name):
         return getattr(self.engine, name)
 
     def add(self, request, stats=None):
         return self.engine.add(request, stats)
+
+    def step(self, batch):
+        return self.engine.step(batch)
+
+
+class HeldEngine(WrappedEngine):
+    """Wraps an engine: once a step has emitted tokens, the next step blocks until `release` is set, so
+    the request provably holds its slot for as long as a test needs."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.emitted = False
+        self.holding = threading.Event()  # the first tokens are out and the engine is blocked
+        self.release = threading.Event()
 
     def step(self, batch):
         if self.emitted and not self.release.is_set():
@@ -195,17 +205,12 @@ class HeldEngine:
         return steps
 
 
-class FailingEngine:
+class FailingEngine(WrappedEngine):
     """Wraps an engine: its first step after the prefill raises. Later steps run freely."""
 
     def __init__(self, engine):
-        self.engine, self.steps = engine, 0
-
-    def __getattr__(self, name):  # everything else is the wrapped engine's
-        return getattr(self.engine, name)
-
-    def add(self, request, stats=None):
-        return self.engine.add(request, stats)
+        super().__init__(engine)
+        self.steps = 0
 
     def step(self, batch):
         self.steps += 1
@@ -288,22 +293,17 @@ async def test_engine_failure_is_a_500_counted_as_finished_reason_error(smollm2)
         server.worker.stop()
 
 
-class RefusingEngine:
+class RefusingEngine(WrappedEngine):
     """Wraps an engine: a request whose prompt is longer than `limit` tokens cannot start."""
 
     def __init__(self, engine, limit):
-        self.engine, self.limit = engine, limit
-
-    def __getattr__(self, name):  # everything else is the wrapped engine's
-        return getattr(self.engine, name)
+        super().__init__(engine)
+        self.limit = limit
 
     def add(self, request, stats=None):
         if len(request.prompt_ids) > self.limit:
             raise MemoryError("no room for its KV cache")
         return self.engine.add(request, stats)
-
-    def step(self, batch):
-        return self.engine.step(batch)
 
 
 async def test_a_request_that_cannot_start_fails_alone(smollm2):
@@ -335,17 +335,12 @@ async def test_a_request_that_cannot_start_fails_alone(smollm2):
     assert metrics.of(metrics.running)._value.get() == 0
 
 
-class GatedEngine:
+class GatedEngine(WrappedEngine):
     """Wraps an engine: every step waits for `open`, and the batch sizes it ran are recorded."""
 
     def __init__(self, engine):
-        self.engine, self.sizes, self.open = engine, [], threading.Event()
-
-    def __getattr__(self, name):  # everything else is the wrapped engine's
-        return getattr(self.engine, name)
-
-    def add(self, request, stats=None):
-        return self.engine.add(request, stats)
+        super().__init__(engine)
+        self.sizes, self.open = [], threading.Event()
 
     def step(self, batch):
         self.sizes.append(len(batch))
