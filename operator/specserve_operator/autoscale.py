@@ -26,6 +26,10 @@ planned for: scale-down waits for the measurement, as before.
 
 Bounds: spec.replicas.min / max, the profile's maxReplicas, and as many replicas as the profile's
 maxHourlyCostUSD pays for (never exceeded; when the SLO needs more, BudgetLimited with the numbers).
+When no count within the bounds is predicted to meet the SLO, the count is the smallest whose
+prediction is within FLOOR_TOLERANCE of the best one: past it the model says more replicas do not
+help (its floor, latency at no load, is above the SLO), which early on, with few windows and wide
+margins, is a matter of evidence rather than of capacity.
 
 Stability, as the HPA does it: recommendations are kept for the stabilisation windows; a scale up
 goes to the lowest recommendation of the last scaleUpStabilizationSeconds (a spike must last), a
@@ -49,6 +53,7 @@ UTILISATION_LIMIT = 0.85  # of a replica's saturating arrival rate (1 / B in Lit
 DOWN_TOLERANCE = 0.1  # like the HPA's tolerance: noise around a boundary must not flap the count
 TREND_SECONDS = 180  # the demand trend is fitted over this much history (at least TREND_POINTS points)
 TREND_POINTS = 4
+FLOOR_TOLERANCE = 0.05  # when no count meets the SLO: replicas that improve the prediction by less buy nothing
 
 
 @dataclass(frozen=True)
@@ -104,10 +109,14 @@ class Demand:
 
 
 def demand_of(windows: list[Window]) -> tuple[Demand | None, str | None]:
-    """The serving's demand over its revisions' windows, or None and why."""
-    missing = [f"{w.revision}: {w.missing}" for w in windows if w.missing is not None]
-    if missing or not windows:
+    """The serving's demand over its revisions' windows, or None and why. A revision without ready
+    replicas (a canary's first pod starting) serves nothing, so the others' windows are the whole
+    demand: holding the count until it is ready would leave an overloaded stable unscaled."""
+    serving = [w for w in windows if w.ready_replicas > 0]
+    missing = [f"{w.revision}: {w.missing}" for w in (serving or windows) if w.missing is not None]
+    if missing or not serving:
         return None, "; ".join(missing) or "no running revision"
+    windows = serving
     finished = sum(w.finished_requests or 0 for w in windows)
     tokens = sum(w.generated_tokens or 0 for w in windows)
     if finished <= 0:
@@ -167,16 +176,33 @@ def _meets(slo: api.Slo, itl: float, ttft: float | None) -> bool:
     return slo.p99_time_to_first_token_ms is None or ttft is None or ttft <= slo.p99_time_to_first_token_ms
 
 
+def _over_slo(slo: api.Slo, itl: float, ttft: float | None) -> float:
+    """How far predictions are from the SLO: the larger of predicted / objective (<= 1 meets it)."""
+    ratios = [itl / slo.p99_inter_token_latency_ms] if slo.p99_inter_token_latency_ms else []
+    if slo.p99_time_to_first_token_ms and ttft is not None:
+        ratios.append(ttft / slo.p99_time_to_first_token_ms)
+    return max(ratios, default=0.0)
+
+
 def recommend(demand: Demand, capacities: list[Capacity], slo: api.Slo, bounds: Limits
               ) -> tuple[int, bool, float | None, float | None]:
     """(replicas, SLO met, predicted p99 ITL, predicted p99 TTFT) for the smallest count that meets
-    the SLO; the predictions are None where even the maximum would saturate."""
+    the SLO. When none does, the smallest count within FLOOR_TOLERANCE of the best prediction:
+    past the count where the prediction stops improving (latency at no load is the model's
+    floor, and with few windows its margin is wide), more replicas cost without helping. The
+    predictions are None where even the maximum would saturate."""
+    predictions = {}
     for count in range(max(bounds.low, 1), bounds.high + 1):
         predicted = _predict(capacities, demand, count)
         if predicted is not None and _meets(slo, *predicted):
             return count, True, *predicted
-    predicted = _predict(capacities, demand, max(bounds.high, 1)) or (None, None)
-    return bounds.high, False, *predicted
+        predictions[count] = predicted
+    feasible = {count: p for count, p in predictions.items() if p is not None}
+    if not feasible:
+        return bounds.high, False, None, None
+    best = min(_over_slo(slo, *p) for p in feasible.values())
+    count = min(n for n, p in feasible.items() if _over_slo(slo, *p) <= best * (1 + FLOOR_TOLERANCE))
+    return count, False, *feasible[count]
 
 
 def decide(
@@ -223,12 +249,15 @@ def decide(
     else:
         predicted = f"predict p99 ITL {itl:.1f}ms" + (f", p99 TTFT {ttft:.0f}ms" if ttft is not None else "")
     numbers = f"demand {demand} (x{HEADROOM} headroom): {raw} replicas {predicted}"
-    budget_limited = not met and bounds.budget_cap is not None and bounds.high == bounds.budget_cap
+    budget_limited = not met and bounds.budget_cap is not None and raw == bounds.high == bounds.budget_cap
     if budget_limited:
         reason = (f"{numbers}, above the SLO; maxHourlyCostUSD pays for {bounds.budget_cap} replicas "
                   f"(${bounds.budget_cap * bounds.replica_hourly_usd:.2f}/h)")
-    elif not met:
+    elif not met and raw == bounds.high:
         reason = f"{numbers}, above the SLO even at the maximum of {bounds.high} replicas"
+    elif not met:
+        reason = (f"{numbers}, above the SLO at any count; more replicas improve the prediction by less "
+                  f"than {FLOOR_TOLERANCE:.0%}")
     else:
         reason = f"{numbers} within the SLO"
     if target != raw:

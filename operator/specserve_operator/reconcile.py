@@ -65,6 +65,10 @@ def ready_replicas(deployment: dict | None) -> int:
     return ((deployment or {}).get("status") or {}).get("readyReplicas") or 0
 
 
+def spec_replicas(deployment: dict) -> int:
+    return (deployment.get("spec") or {}).get("replicas") or 0
+
+
 def stable_backend(serving: Serving, stable: str, wanted: int, deployments: dict[str, dict], canary: str | None) -> str | None:
     """While the new stable revision is not ready with all its replicas, <name>-stable keeps routing
     to the previous revision that still has ready pods (a plain update, or a promotion in progress)."""
@@ -283,8 +287,11 @@ def reconcile(cluster: Cluster, body: dict, settings: Settings, source, now: dat
     outcome.events += scaling.events
     canary_ready = ready_replicas(deployments.get(f"{serving.name}-{candidate}")) if candidate else None
     stable_ready = ready_replicas(deployments.get(f"{serving.name}-{stable_hash}"))
+    previous_pods = None
+    if decision.stage == "Promoted":  # the old stable's pods, until the promoted revision is ready
+        previous_pods = sum(spec_replicas(d) for name, d in deployments.items() if name != f"{serving.name}-{candidate}")
     traffic = Traffic(decision.stage, decision.weight, canary_ready=canary_ready, stable_ready=stable_ready,
-                      drain_candidate=decision.drain_candidate)
+                      drain_candidate=decision.drain_candidate, previous_pods=previous_pods)
     revs = planned_revisions(spec, profile.spec, scaling.replicas, traffic)
     canary_revision = revs[1].hash if len(revs) > 1 else None
     traffic = replace(traffic, stable_backend=stable_backend(serving, revs[0].hash, revs[0].replicas, deployments,

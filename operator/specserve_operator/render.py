@@ -55,7 +55,8 @@ class Traffic:
     is the stable one). stable_backend: the revision `<name>-stable` routes to while a new stable
     revision is not ready yet (None: the stable revision itself). canary_ready, stable_ready: each
     revision's ready pods (None: not known), and drain_candidate: an aborted candidate keeps its
-    ready pods while the stable's replacements start (rollout.drains); see planned_revisions.
+    ready pods while the stable's replacements start (rollout.drains); previous_pods: the pods of
+    the revision a promotion replaces, until they go (None: none left); see planned_revisions.
     """
 
     stage: Literal["Stable", "Canary", "Aborted", "Promoted"] = "Stable"
@@ -64,6 +65,7 @@ class Traffic:
     canary_ready: int | None = None
     stable_ready: int | None = None
     drain_candidate: bool = False
+    previous_pods: int | None = None
 
 
 @dataclass(frozen=True)
@@ -150,12 +152,18 @@ def planned_revisions(spec: api.SpeculativeServingSpec, profile: api.ServingProf
     its replacement is ready is capacity lost for a whole start-up. Two cases: the stable while the
     candidate's pods start, and a draining aborted candidate (ReplicaRatio only: a route sends an
     aborted candidate nothing) while the stable's start, never more than its ready pods. The surge
-    stays within replica_ceiling: the budget is a wall for it too."""
+    stays within replica_ceiling: the budget is a wall for it too. So while a promotion's previous
+    stable keeps its pods (they go once the promoted revision is ready), the promoted revision
+    gets what the ceiling leaves beside them: at promotion at least its canary pods; the rest
+    start once the previous pods are gone."""
     revs = revisions(spec, replica_budget(spec, profile, wanted), traffic)
+    ceiling = replica_ceiling(spec, profile)
+    if traffic.stage == "Promoted" and traffic.previous_pods:
+        (promoted,) = revs
+        return [replace(promoted, replicas=max(min(promoted.replicas, ceiling - traffic.previous_pods), 0))]
     if len(revs) < 2:
         return revs
     stable, canary = revs
-    ceiling = replica_ceiling(spec, profile)
     if traffic.stage == "Canary" and traffic.canary_ready is not None:
         return [keep_replaced_pods(stable, canary, traffic.canary_ready, ceiling - canary.replicas), canary]
     if (traffic.stage == "Aborted" and traffic.drain_candidate and spec.traffic.mode == "ReplicaRatio"

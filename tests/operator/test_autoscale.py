@@ -64,6 +64,10 @@ def test_demand_is_the_finished_requests_and_their_tokens_over_every_revision():
     assert demand_of([windows[0], Window.no_data(Target(None, "s", "b", 1), 30, "prometheus outage")]) == (
         None, "b: prometheus outage")
     assert demand_of([Window("a", 30, 2, generated_tokens=500, finished_requests=0)])[0] is None  # nothing finished
+    # a revision whose pods are all starting serves nothing: the others' windows are the demand
+    starting = Window.no_data(Target(None, "s", "b", 0), 30, "no ready replicas")
+    assert demand_of([windows[0], starting]) == (Demand(2.0, 100.0), None)
+    assert demand_of([starting]) == (None, "b: no ready replicas")
 
 
 def test_without_spread_the_model_assumes_fixed_throughput():
@@ -255,3 +259,20 @@ def test_more_demand_never_recommends_fewer_replicas(low, high, slope):
     fewer = decide(1, rps(low), [model], SLO, bounds, NO_WAIT, [], T0).recommended
     more = decide(1, rps(high), [model], SLO, bounds, NO_WAIT, [], T0).recommended
     assert more >= fewer
+
+
+def test_when_no_count_meets_the_slo_replicas_that_would_not_help_are_not_bought():
+    """A floor above the SLO (latency at no load, with a wide margin): going to the maximum would
+    predict no better, so the count stops where more replicas improve the prediction by < 5%."""
+    floor = [Point(c, 50.0 + 1.0 * c, 100.0) for c in (1, 2, 4, 8, 16)]  # 50 ms at no load: above the 40 ms SLO
+    bounds = Limits(1, 40, 40, 1.0)
+    decision = decide(4, rps(10.0), [capacity(floor)], SLO, bounds, NO_WAIT, [], T0)
+    assert decision.recommended < bounds.high and not decision.budget_limited
+    assert "above the SLO at any count; more replicas improve the prediction by less than 5%" in decision.reason
+    predicted = [predicted_itl(capacity(floor), 10.0, n) for n in range(1, 41)]
+    enough = min(p for p in predicted if p is not None) * (1 + autoscale.FLOOR_TOLERANCE)
+    assert predicted[decision.recommended - 1] <= enough
+    assert predicted[decision.recommended - 2] is None or predicted[decision.recommended - 2] > enough
+    # where more replicas do help all the way, the budget is still the wall and says so
+    spike = decide(4, rps(200.0), [capacity()], SLO, Limits(1, 8, 8, 1.0), NO_WAIT, [], T0)
+    assert spike.recommended == 8 and spike.budget_limited

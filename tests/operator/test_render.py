@@ -343,3 +343,19 @@ def test_render_command_exit_status_and_stream(tmp_path, capsys):
     errors = capsys.readouterr().err.strip().splitlines()
     assert any(line.endswith("spec.profile: Field required") for line in errors)
     assert any(line.endswith("spec.model: Field required") for line in errors)
+
+
+def test_a_promotion_starts_only_the_pods_the_budget_leaves_beside_the_previous_stables(example_documents):
+    serving, profile, _ = parsed(example_documents)
+    spec = serving.spec.model_copy(update={"replicas": serving.spec.replicas.model_copy(update={"min": 4, "max": 8})})
+    serving = serving.__class__(serving.name, serving.namespace, None, spec)
+    limits = profile.spec.limits.model_copy(update={"max_hourly_cost_usd": 12.5})  # 5 x $2.49 fits, 6 does not
+    capped = profile.__class__(profile.name, profile.spec.model_copy(update={"limits": limits}))
+
+    def replicas(previous_pods, profile=capped):
+        objects = render_all(serving, profile, traffic=Traffic("Promoted", previous_pods=previous_pods))
+        return [d["spec"]["replicas"] for d in of_kind(objects, "Deployment")]
+
+    assert replicas(2) == [3]  # 2 previous pods + 3 = the 5 the budget pays for
+    assert replicas(None) == [4]  # the previous stable is gone: the whole count
+    assert replicas(2, profile) == [4]  # without a binding budget, the surge fits

@@ -136,10 +136,14 @@ async def test_passing_analyses_walk_the_steps_and_promote_without_restarting_po
     promoted = deployment(operator, canary)
     assert promoted["metadata"]["labels"]["specserve.io/role"] == "stable"
     assert promoted["spec"]["template"] == template  # same pods: promotion restarts nothing
-    assert await eventually(lambda: deployment(operator, canary)["spec"]["replicas"] == 4)
+    # maxReplicas (4) is a wall for the handover too: beside the old stable's 2 pods, the promoted
+    # revision keeps its 2 until they are ready; then the old one goes and it grows to 4
+    assert deployment(operator, canary)["spec"]["replicas"] == 2
     assert stable in [name.removeprefix("qwen3-8b-") for name in live(operator, DEPLOYMENTS)]  # old serves until ready
-    await set_ready(operator, f"qwen3-8b-{canary}", 4)
+    await set_ready(operator, f"qwen3-8b-{canary}", 2)
     assert await eventually(lambda: live(operator, DEPLOYMENTS) == [f"qwen3-8b-{canary}"])
+    assert await eventually(lambda: deployment(operator, canary)["spec"]["replicas"] == 4)
+    await set_ready(operator, f"qwen3-8b-{canary}", 4)
     assert await eventually(lambda: status_of(operator).get("phase") == "Serving")
     status = status_of(operator)
     assert status["stable"]["revision"] == canary and status["lastRollout"]["outcome"] == "Promoted"
