@@ -250,6 +250,29 @@ def decode_floor(model: LoadedModel, prefix: int = 300, runs: int = 20) -> dict:
     return timings
 
 
+def batched_drafting_ms(model: LoadedModel, method: str, sizes=(1, 4, 8), steps: int = 16) -> dict:
+    """Median ms of an engine decode step of B sequences (drafting and verifying, fixed draft
+    length), with the drafter run once per pass for the batch (drafters.propose_all) and with one
+    propose() per sequence, side by side. Each measurement starts B fresh sequences on one prompt."""
+    engine = build_engine(model, *method_spec(method))
+    prompt = model.encode("Explain how a bicycle stays upright, step by step.")
+    timings = {"batched": {}, "one_by_one": {}}
+    for size in sizes:
+        for mode in timings:
+            engine.batch_drafts = mode == "batched"
+            batch = [engine.add(Request(prompt, 8 * steps)) for _ in range(size)]
+            while any(sequence.prefilling for sequence in batch):
+                engine.step(batch)
+            engine.step(batch)  # the first decode step pays for allocation
+            samples = []
+            for _ in range(steps):
+                started = time.perf_counter()
+                engine.step(batch)
+                samples.append((time.perf_counter() - started) * 1000)
+            timings[mode][size] = round(statistics.median(samples), 2)
+    return timings
+
+
 def _median_ms(fn, runs: int) -> float:
     fn()  # the first call pays for allocation and kernel selection
     samples = []

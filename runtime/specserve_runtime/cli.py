@@ -235,7 +235,8 @@ def cmd_launch(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from .bench import decode_floor, method_spec, performance_block, run_bench, scenario_method, summarize, table
+    from .bench import (batched_drafting_ms, decode_floor, method_spec, performance_block, run_bench, scenario_method,
+                        summarize, table)
     from .loader import load_model
     from .training.prompts import PROMPTS_FILE
 
@@ -273,6 +274,8 @@ def cmd_bench(args) -> None:
     summary = summarize(stats)
     if args.kernels:
         summary["kernels"] = decode_floor(model)
+        summary["kernels"]["decode_step_ms_by_sequences"] = {
+            m: batched_drafting_ms(model, m) for m in methods if method_spec(m)[0] in ("eagle3", "dflash")}
     print(table(summary))
     if args.kernels:
         kernels = summary["kernels"]
@@ -284,6 +287,10 @@ def cmd_bench(args) -> None:
                   + ", ".join(f"{n}: {ms}" for n, ms in kernels[f"verify_ms_by_tokens_{layout}"].items()))
             print(f"batched decode step (ms) by sequences, {layout} weights: "
                   + ", ".join(f"{n}: {ms}" for n, ms in kernels[f"batch_ms_by_sequences_{layout}"].items()))
+        for method, modes in kernels["decode_step_ms_by_sequences"].items():
+            for mode, by_size in modes.items():
+                print(f"{method} decode step (ms) by sequences, drafts {mode.replace('_', ' ')}: "
+                      + ", ".join(f"{n}: {ms}" for n, ms in by_size.items()))
     if args.emit_performance:
         write_performance(performance_block(summary), Path(args.emit_performance))
     if args.json:

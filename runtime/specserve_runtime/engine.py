@@ -5,8 +5,9 @@ that never drafts, so the baseline is measured by the same code as the speculati
 
 The loop is batched (continuous batching, as in vLLM's v1 scheduler): `step` runs one target
 forward for every sequence in the batch, and sequences join or leave between steps. Running
-sequences go first, each verifying its drafts; what is left of the step's token budget
-prefills waiting prompts, in chunks, so a long prompt never stalls the decodes beside it.
+sequences go first, each verifying its drafts (a model drafter drafts for all of them in one
+forward per pass); what is left of the step's token budget prefills waiting prompts, in chunks,
+so a long prompt never stalls the decodes beside it.
 Every sequence has its own KV cache and drafter state, and samples the token at each output
 position with a random number fixed by its seed and that position, so its output is exactly what
 it would be alone.
@@ -21,7 +22,7 @@ import torch
 
 from .adaptive import DraftLengthChooser
 from .config import DEFAULT_TOKEN_BUDGET
-from .drafters import Proposer
+from .drafters import Proposer, propose_all
 from .kv_cache import KVCache
 from .model import Segment, Transformer
 from .verify import SamplingParams, accept, position_uniforms, target_tokens
@@ -139,6 +140,7 @@ class Engine:
         adaptive = adaptive and proposer.num_speculative_tokens > 0
         self.chooser = DraftLengthChooser(proposer.num_speculative_tokens) if adaptive else None
         self.draft_length: int | None = None  # the adaptive choice of the last decode step
+        self.batch_drafts = True  # False: one propose() per sequence (bench --kernels times both)
 
     def add(self, request: Request, stats: Result | None = None) -> Sequence:
         """A new sequence, ready to join the next step; `stats`, if given, is filled as it runs."""
@@ -160,8 +162,9 @@ class Engine:
         if length is not None:
             self.draft_length = length
         work: list[tuple[Sequence, list[int], list[int] | None]] = []  # (sequence, new tokens, drafts)
-        for sequence in decoding:  # running sequences first: verify [last committed token, drafts...]
-            drafts = self._propose(sequence, length)
+        proposals = propose_all(self.proposer, [(s.proposer, s.tokens, self._draft_limit(s, length)) for s in decoding],
+                                self.batch_drafts)
+        for sequence, drafts in zip(decoding, proposals):  # running sequences first: verify [last token, drafts...]
             work.append((sequence, sequence.tokens[-1:] + drafts, drafts))
             budget -= 1 + len(drafts)
         for sequence in batch:
@@ -200,11 +203,11 @@ class Engine:
             pass
         return result
 
-    def _propose(self, sequence: Sequence, length: int | None) -> list[int]:
+    def _draft_limit(self, sequence: Sequence, length: int | None) -> int:
+        """The most drafts worth verifying: not past max_new_tokens or the cache, nor the chosen length."""
         remaining = sequence.request.max_new_tokens - len(sequence.stopper.token_ids)
         room = sequence.capacity - sequence.cache.length - 2
-        limit = min(remaining - 1, room) if length is None else min(remaining - 1, room, length)
-        return sequence.proposer.propose(sequence.tokens, max_drafts=limit)
+        return min(remaining - 1, room) if length is None else min(remaining - 1, room, length)
 
     def _prefilled(self, sequence: Sequence, num_tokens: int, out) -> Step | None:
         sequence.proposer.extend_context(out.taps)

@@ -104,7 +104,7 @@ def test_zlab_config_with_random_weights_loads(tmp_path):
     assert cfg.target_layer_ids == (1, 9, 17, 25, 33) and cfg.num_hidden_layers == 5
     torch.testing.assert_close(drafter.fc.weight, weights["fc.weight"].float())
     context_kv = drafter.context_kv(torch.randn(7, 5 * 64), torch.arange(7))
-    hidden = drafter(torch.randn(16, 64), torch.arange(7, 23), context_kv)
+    hidden = drafter(torch.randn(16, 64), torch.arange(7, 23), [context_kv])
     assert hidden.shape == (16, 64) and torch.isfinite(hidden).all()
 
 
@@ -159,7 +159,7 @@ def test_proposer_with_cached_context_matches_one_full_forward(tiny_llama):
         proposer.extend_context(chunk)
     drafts = proposer.propose(tokens.tolist(), max_drafts=7)
     block = torch.tensor([int(tokens[-1])] + [95] * 7)
-    hidden = drafter(tiny_llama.embed_tokens(block), torch.arange(11, 19), drafter.context_kv(taps[:11], torch.arange(11)))
+    hidden = drafter(tiny_llama.embed_tokens(block), torch.arange(11, 19), [drafter.context_kv(taps[:11], torch.arange(11))])
     assert drafts == tiny_llama.lm_head(hidden[1:]).argmax(-1).tolist()
 
 
@@ -201,7 +201,7 @@ def test_speculators_loads_the_export_and_computes_the_same_draft_logits(tmp_pat
     tokens = torch.randint(0, 96, (9,), generator=torch.Generator().manual_seed(5))
     taps = tiny_llama(tokens, tiny_llama.new_cache(32), tap_layers=drafter.config.target_layer_ids).taps
     block = torch.tensor([int(tokens[-1])] + [95] * 7)
-    ours = tiny_llama.lm_head(drafter(tiny_llama.embed_tokens(block), torch.arange(9, 17), drafter.context_kv(taps, torch.arange(9))))
+    ours = tiny_llama.lm_head(drafter(tiny_llama.embed_tokens(block), torch.arange(9, 17), [drafter.context_kv(taps, torch.arange(9))]))
     with torch.no_grad():
         expected = speculators_draft_logits(theirs, taps, block, context_len=9)
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)

@@ -100,8 +100,8 @@ def test_fused_projections_share_storage_and_compute_the_same(tiny_llama):
     fused = fuse_projections(copy.deepcopy(drafter))
     taps = torch.randn(6, 2 * tiny_llama.config.hidden_size)
     embeds, positions = torch.randn(4, tiny_llama.config.hidden_size), torch.arange(6, 10)
-    separate = drafter(embeds, positions, drafter.context_kv(taps, torch.arange(6)))
-    torch.testing.assert_close(fused(embeds, positions, fused.context_kv(taps, torch.arange(6))), separate)
+    separate = drafter(embeds, positions, [drafter.context_kv(taps, torch.arange(6))])
+    torch.testing.assert_close(fused(embeds, positions, [fused.context_kv(taps, torch.arange(6))]), separate)
     assert drafter.layers[0].mlp.gate_up is None and fused.layers[0].mlp.gate_up is not None
 
 

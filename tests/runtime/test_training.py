@@ -64,7 +64,7 @@ def test_dflash_training_forward_equals_inference_drafts(tiny_llama, draft_vocab
     blocks = torch.full((3, size), 95)
     blocks[:, 0] = tokens[anchors]
     positions = (anchors[:, None] + torch.arange(size)).flatten()
-    hidden = drafter(tiny_llama.embed_tokens(blocks.flatten()), positions, drafter.context_kv(taps, torch.arange(24)),
+    hidden = drafter(tiny_llama.embed_tokens(blocks.flatten()), positions, [drafter.context_kv(taps, torch.arange(24))],
                      block_mask(anchors, 24, size))
     packed_drafts = head.to_target(head.logits(hidden.view(3, size, -1)[:, 1:]).argmax(-1))
     if draft_vocab is not None:

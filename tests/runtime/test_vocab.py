@@ -88,7 +88,7 @@ def test_speculators_loads_a_reduced_vocab_export(tmp_path, tiny_llama_dir, tiny
     tokens = torch.randint(0, 96, (9,), generator=torch.Generator().manual_seed(5))
     taps = tiny_llama(tokens, tiny_llama.new_cache(32), tap_layers=drafter.config.target_layer_ids).taps
     block = torch.tensor([int(tokens[-1])] + [95] * 5)
-    hidden = drafter(tiny_llama.embed_tokens(block), torch.arange(9, 15), drafter.context_kv(taps, torch.arange(9)))
+    hidden = drafter(tiny_llama.embed_tokens(block), torch.arange(9, 15), [drafter.context_kv(taps, torch.arange(9))])
     ours = DraftHead(tiny_llama.lm_head.weight, draft_token_ids(drafter)).logits(hidden)
     with torch.no_grad():
         torch.testing.assert_close(ours, speculators_draft_logits(theirs, taps, block, context_len=9), atol=1e-4, rtol=1e-4)

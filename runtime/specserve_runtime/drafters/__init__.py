@@ -31,6 +31,20 @@ class Proposer(Protocol):
     def propose(self, tokens: list[int], max_drafts: int) -> list[int]:
         """Up to `max_drafts` guesses of the tokens that follow `tokens` (all committed tokens)."""
 
+    # Optional, for drafters with a model: propose_batch(work) with work a list of (that
+    # sequence's proposer copy, its tokens, its max_drafts) returns every sequence's drafts from
+    # one drafter forward per pass instead of one per sequence; see propose_all.
+
+
+def propose_all(prototype: Proposer, work: list[tuple[Proposer, list[int], int]], batched: bool = True
+                ) -> list[list[int]]:
+    """Every sequence's drafts for one step: batched where the method can (propose_batch on the
+    engine's proposer, whose weights all the copies share), else one propose() per sequence."""
+    propose_batch = getattr(prototype, "propose_batch", None)
+    if batched and propose_batch is not None:
+        return propose_batch(work)
+    return [proposer.propose(tokens, max_drafts) for proposer, tokens, max_drafts in work]
+
 
 class NoDraft:
     """Plain autoregressive decoding: the shared loop with an empty draft verifies one token per step."""

@@ -174,12 +174,18 @@ class DFlashConfig:
 
 
 class DFlashLayer(DecoderLayer):
-    def forward(self, x, cos, sin, context_k, context_v, mask=None):
+    def forward(self, x, cos, sin, contexts: list[tuple[torch.Tensor, torch.Tensor]], mask=None):
+        """x [N, H]: the blocks of len(contexts) sequences end to end, the same number of rows each;
+        contexts: each sequence's context keys/values for this layer."""
         q, k, v = self.self_attn.query_key_value(self.input_layernorm(x), cos, sin)
-        # Keys/values are [context ; block]. No causal mask: the block sees all context and itself.
-        # (Training packs many blocks into one forward; its mask keeps each block to its own view.)
-        k, v = torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2)
-        x = x + self.self_attn.output(q, k, v, mask)
+        size = x.shape[0] // len(contexts)
+        attended = []
+        for (context_k, context_v), q_s, k_s, v_s in zip(contexts, q.split(size, 2), k.split(size, 2), v.split(size, 2)):
+            # Keys/values are [context ; block]. No causal mask: the block sees all context and itself.
+            # (Training packs many blocks into one forward; its mask keeps each block to its own view.)
+            k_s, v_s = torch.cat([context_k, k_s], dim=2), torch.cat([context_v, v_s], dim=2)
+            attended.append(self.self_attn.attend(q_s, k_s, v_s, mask))
+        x = x + self.self_attn.project_out(torch.cat(attended, dim=2))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -202,12 +208,14 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary(positions)
         return [layer.self_attn.key_value(context, cos, sin) for layer in self.layers]
 
-    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, context_kv, mask=None) -> torch.Tensor:
-        """Block embeddings [B, H] at positions [B] -> normalised hidden states [B, H] for the LM head."""
+    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, contexts: list, mask=None) -> torch.Tensor:
+        """Block embeddings [N, H] at positions [N] -> normalised hidden states [N, H] for the LM head.
+        contexts: per sequence, its context_kv; the N rows are the sequences' blocks end to end, so
+        every matrix product runs once for all of them and only attention runs per sequence."""
         cos, sin = self.rotary(positions)
         x = block_embeds
-        for layer, (context_k, context_v) in zip(self.layers, context_kv):
-            x = layer(x, cos, sin, context_k, context_v, mask)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, [context_kv[i] for context_kv in contexts], mask)
         return self.norm(x)
 
 
@@ -228,28 +236,48 @@ class DFlashProposer:
     def extend_context(self, taps: torch.Tensor | None) -> None:
         self.pending.append(taps)
 
-    @torch.inference_mode()
     def propose(self, tokens: list[int], max_drafts: int) -> list[int]:
-        cache = self.context_cache
-        if self.pending:  # project the new context once; it never changes afterwards
-            taps = torch.cat(self.pending)
-            self.pending = []
-            positions = torch.arange(cache.length, cache.length + taps.shape[0])
-            for layer, (k, v) in enumerate(self.drafter.context_kv(taps, positions)):
-                cache.write(layer, k, v)
-            cache.advance(taps.shape[0])
-        num_drafts = min(self.num_speculative_tokens, max_drafts)
-        if num_drafts <= 0:
-            return []
-        # The context covers every committed token but the last, so the block starts at that token.
-        block_size = self.drafter.config.block_size
-        block = torch.full((block_size,), self.drafter.config.mask_token_id)
-        block[0] = tokens[-1]
-        positions = torch.arange(cache.length, cache.length + block_size)
-        context_kv = [cache.get(layer) for layer in range(len(self.drafter.layers))]
-        hidden = self.drafter(self.target.embed_tokens(block), positions, context_kv)
+        return self.propose_batch([(self, tokens, max_drafts)])[0]
+
+    @torch.inference_mode()
+    def propose_batch(self, work: list[tuple["DFlashProposer", list[int], int]]) -> list[list[int]]:
+        """Drafts for many sequences ((its proposer, its committed tokens, most drafts) each): one
+        drafter forward for all of their new context, one for all of their blocks."""
+        self._project_context([proposer for proposer, _, _ in work])
+        counts = [min(proposer.num_speculative_tokens, max_drafts) for proposer, _, max_drafts in work]
+        drafting = [(proposer, tokens) for (proposer, tokens, _), count in zip(work, counts) if count > 0]
+        if not drafting:
+            return [[] for _ in work]
+        # The context covers every committed token but the last, so each block starts at that token.
+        cfg, block_size = self.drafter.config, self.drafter.config.block_size
+        blocks = torch.full((len(drafting), block_size), cfg.mask_token_id)
+        blocks[:, 0] = torch.tensor([tokens[-1] for _, tokens in drafting])
+        caches = [proposer.context_cache for proposer, _ in drafting]
+        positions = torch.cat([torch.arange(cache.length, cache.length + block_size) for cache in caches])
+        contexts = [[cache.get(layer) for layer in range(cfg.num_hidden_layers)] for cache in caches]
+        hidden = self.drafter(self.target.embed_tokens(blocks.flatten()), positions, contexts)
         # Slot i (i >= 1) predicts the token i places after the last committed one.
-        return self.head.to_target(self.head.logits(hidden[1 : 1 + num_drafts]).argmax(dim=-1)).tolist()
+        most = max(counts)
+        guesses = self.head.logits(hidden.view(len(drafting), block_size, -1)[:, 1 : 1 + most]).argmax(dim=-1)
+        guesses = iter(self.head.to_target(guesses).tolist())
+        return [next(guesses)[:count] if count > 0 else [] for count in counts]
+
+    def _project_context(self, proposers: list["DFlashProposer"]) -> None:
+        """Project the target features committed since the last step into each sequence's context
+        keys/values, for all sequences in one drafter pass; they never change afterwards."""
+        pending = [(proposer, torch.cat(proposer.pending)) for proposer in proposers if proposer.pending]
+        if not pending:
+            return
+        caches = [proposer.context_cache for proposer, _ in pending]
+        sizes = [taps.shape[0] for _, taps in pending]
+        positions = torch.cat([torch.arange(cache.length, cache.length + size) for cache, size in zip(caches, sizes)])
+        projected = self.drafter.context_kv(torch.cat([taps for _, taps in pending]), positions)
+        for layer, (k, v) in enumerate(projected):
+            for cache, k_s, v_s in zip(caches, k.split(sizes, 2), v.split(sizes, 2)):
+                cache.write(layer, k_s, v_s)
+        for (proposer, _), cache, size in zip(pending, caches, sizes):
+            proposer.pending = []
+            cache.advance(size)
 
 
 def random_drafter(config: DFlashConfig, seed: int) -> DFlashDrafter:

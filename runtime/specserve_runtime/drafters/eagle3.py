@@ -101,10 +101,14 @@ class Eagle3Layer(nn.Module):
         h = features + attention_out  # the residual stream is the feature's, not the embedding's
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def forward(self, embeds, features, cos, sin, cache: KVCache, mask):
+    def forward(self, embeds, features, cos, sin, caches: list[KVCache], sizes: list[int]):
+        """embeds, features [N, H]: the new positions of len(caches) sequences end to end (sizes)."""
         q, k, v = self.self_attn.query_key_value(self.fuse(embeds, features), cos, sin)
-        k, v = cache.write(0, k, v)
-        return self.finish(features, self.self_attn.output(q, k, v, mask))
+        attended = []
+        for cache, size, q_s, k_s, v_s in zip(caches, sizes, q.split(sizes, 2), k.split(sizes, 2), v.split(sizes, 2)):
+            k_all, v_all = cache.write(0, k_s, v_s)
+            attended.append(self.self_attn.attend(q_s, k_all, v_all, causal_mask(size, cache.length + size)))
+        return self.finish(features, self.self_attn.project_out(torch.cat(attended, dim=2)))
 
 
 class Eagle3Drafter(nn.Module):
@@ -118,12 +122,15 @@ class Eagle3Drafter(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
         add_vocab_buffers(self, config.vocab_size, config.draft_vocab_size)
 
-    def forward(self, embeds: torch.Tensor, features: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """embeds, features [T, H] at the next T drafter positions -> hidden states [T, H] (before the norm)."""
-        num_new = embeds.shape[0]
-        cos, sin = self.rotary(torch.arange(cache.length, cache.length + num_new))
-        hidden = self.midlayer(embeds, features, cos, sin, cache, causal_mask(num_new, cache.length + num_new))
-        cache.advance(num_new)
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor, caches: list[KVCache], sizes: list[int]) -> torch.Tensor:
+        """embeds, features [N, H]: the next sizes[i] drafter positions of sequence i, end to end ->
+        hidden states [N, H] (before the norm). One matrix product per weight for all sequences;
+        attention per sequence, on its own cache, at its own positions."""
+        positions = torch.cat([torch.arange(cache.length, cache.length + size) for cache, size in zip(caches, sizes)])
+        cos, sin = self.rotary(positions)
+        hidden = self.midlayer(embeds, features, cos, sin, caches, sizes)
+        for cache, size in zip(caches, sizes):
+            cache.advance(size)
         return hidden
 
 
@@ -145,25 +152,47 @@ class Eagle3Proposer:
     def extend_context(self, taps: torch.Tensor | None) -> None:
         self.pending.append(taps)
 
-    @torch.inference_mode()
     def propose(self, tokens: list[int], max_drafts: int) -> list[int]:
-        num_drafts = min(self.num_speculative_tokens, max_drafts)
-        if num_drafts <= 0 or not self.pending:
-            return []
-        # Positions past num_context were fed the drafter's own guesses last step: drop them.
-        self.cache.crop(self.num_context)
-        features = self.drafter.fc(torch.cat(self.pending))  # [T, H]
-        self.pending = []
-        start, end = self.num_context, self.num_context + features.shape[0]  # end == len(tokens) - 1
-        embeds = self.target.embed_tokens(torch.tensor(tokens[start + 1 : end + 1]))
-        hidden = self.drafter(embeds, features, self.cache)[-1:]
-        self.num_context = end
-        drafts = []
+        return self.propose_batch([(self, tokens, max_drafts)])[0]
+
+    @torch.inference_mode()
+    def propose_batch(self, work: list[tuple["Eagle3Proposer", list[int], int]]) -> list[list[int]]:
+        """Drafts for many sequences ((its proposer, its committed tokens, most drafts) each): one
+        drafter forward per draft position for all the sequences still drafting."""
+        drafts: list[list[int]] = [[] for _ in work]
+        drafting = [(i, proposer, tokens, min(proposer.num_speculative_tokens, max_drafts))
+                    for i, (proposer, tokens, max_drafts) in enumerate(work) if proposer.pending]
+        drafting = [entry for entry in drafting if entry[3] > 0]
+        if not drafting:
+            return drafts
+        # First pass: each sequence's features committed since its last step. Positions past
+        # num_context were fed the drafter's own guesses last step: drop them.
+        embeds, features, sizes = [], [], []
+        for _, proposer, tokens, _ in drafting:
+            proposer.cache.crop(proposer.num_context)
+            taps = torch.cat(proposer.pending)
+            proposer.pending = []
+            start, end = proposer.num_context, proposer.num_context + taps.shape[0]  # end == len(tokens) - 1
+            embeds.append(torch.tensor(tokens[start + 1 : end + 1]))
+            features.append(taps)
+            sizes.append(taps.shape[0])
+            proposer.num_context = end
+        caches = [proposer.cache for _, proposer, _, _ in drafting]
+        hidden = self.drafter(self.target.embed_tokens(torch.cat(embeds)), self.drafter.fc(torch.cat(features)),
+                              caches, sizes)
+        hidden = hidden[torch.tensor(sizes).cumsum(0) - 1]  # each sequence's last position: [S, H]
+        # Then one position at a time: each guess, with the hidden state that made it, is the next input.
         while True:
-            drafts.append(int(self.head.to_target(self.head.logits(self.drafter.norm(hidden)).argmax(-1))))
-            if len(drafts) == num_drafts:
+            guesses = self.head.to_target(self.head.logits(self.drafter.norm(hidden)).argmax(-1)).tolist()
+            for (i, _, _, _), guess in zip(drafting, guesses):
+                drafts[i].append(guess)
+            going = [k for k, (i, _, _, count) in enumerate(drafting) if len(drafts[i]) < count]
+            if not going:
                 return drafts
-            hidden = self.drafter(self.target.embed_tokens(torch.tensor(drafts[-1:])), hidden, self.cache)
+            drafting = [drafting[k] for k in going]
+            last = torch.tensor([drafts[i][-1] for i, _, _, _ in drafting])
+            hidden = self.drafter(self.target.embed_tokens(last), hidden[going],
+                                  [proposer.cache for _, proposer, _, _ in drafting], [1] * len(drafting))
 
 
 def load_eagle3(folder: str | Path) -> Eagle3Drafter:

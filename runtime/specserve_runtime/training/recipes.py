@@ -65,7 +65,7 @@ def dflash_loss(
     positions = anchors[:, None] + torch.arange(size)  # [N, B]
     context_kv = drafter.context_kv(taps, torch.arange(length))
     mask = block_mask(anchors, length, size)
-    hidden = drafter(target.embed_tokens(blocks.flatten()), positions.flatten(), context_kv, mask)
+    hidden = drafter(target.embed_tokens(blocks.flatten()), positions.flatten(), [context_kv], mask)
     hidden = hidden.view(anchors.numel(), size, -1)[:, 1:]  # slot k predicts the token k after the anchor
     label_positions = positions[:, 1:]
     valid = label_positions < length
