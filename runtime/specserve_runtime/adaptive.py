@@ -1,21 +1,34 @@
-"""How many tokens to draft per sequence in the next step, chosen from measurements under the current load.
+"""How many tokens to draft per sequence in the next step, from the batch size and the measured
+per-position acceptance.
 
-Speculation pays when the extra tokens a step verifies cost less than the drafts it gets accepted.
-Both sides move with load: a bigger batch makes each extra verified token dearer (the step stops
-being memory-bound), and the cost curve differs by machine (docs/benchmarks.md: on one CPU
-verifying 3 tokens costs 1.1x a plain step, on another 2.1x, and 4 tokens cost less than 3). So the
-rule measures instead of modelling: for each batch size (in buckets 1, 2, 3-4, 5-8, ...) it keeps
-the committed tokens per second of every draft length 0..K, a moving average over the decode steps
-that used it, and uses the best. Every untried length is tried once first, and every EXPLORE_EVERY
-steps of a bucket the least recently measured length is tried again, so the table follows changes
-in load and in the text being generated. Length 0 (plain decoding) is always a candidate: a loaded
-server does not stay slower than plain decoding, apart from those exploring steps.
+A step that drafts L tokens per sequence commits, per sequence, 1 + p_1 + ... + p_L tokens on
+average, where p_i is the chance that the first i drafts are all accepted; it costs r(B, L) times
+a step without drafts at the same batch size B (draft and verify: a bigger batch makes each extra
+verified token dearer, and the curve differs by machine, see docs/benchmarks.md). The rule drafts
+the L in 0..K that maximises
+
+    (1 + p_1 + ... + p_L) / r(B, L)        with r(B, 0) = 1.
+
+Both sides are measured, and neither from tokens per second across time: this machine's speed
+drifts by tens of percent over a minute, so a length timed in a fast minute would beat one timed in
+a slow one. p_i is counted from every decode step's verification (a property of the text, with a
+memory of about 1 / ACCEPTANCE_DECAY steps). r(B, L) is the ratio of the times of two adjacent
+decode steps of one batch-size bucket (1, 2, 4, 8, ...), one drafting L and one not, which share
+the machine's speed of that moment; the median of its last RATIO_SAMPLES pairs drops the rest (the
+first step at a new shape also pays for kernel selection). Each bucket starts by pairing every
+length MIN_PAIRS times with a step without drafts, longest first, and every EXPLORE_EVERY steps it
+re-measures the least recently paired length (a step at that length, then one at 0); the longest
+length's steps also refresh p_K. Length 0 (plain decoding) is always a candidate.
 
 Only the speed changes: every draft is still verified, so the output is the same at any length.
 """
 
-EXPLORE_EVERY = 32  # decode steps of a batch-size bucket between two exploring steps
-SMOOTHING = 0.2  # weight of the newest measurement in the moving average
+import statistics
+
+EXPLORE_EVERY = 32  # decode steps of a batch-size bucket between two exploring pairs
+RATIO_SAMPLES = 5  # cost-ratio pairs kept per (bucket, length); their median is r(B, L)
+MIN_PAIRS = 3  # pairs per length before a bucket trusts its ratio
+ACCEPTANCE_DECAY = 0.01  # per decode step: the acceptance counts forget the text of ~100 steps ago
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -28,24 +41,68 @@ class DraftLengthChooser:
         if max_drafts < 1:
             raise ValueError(f"adaptive speculation needs a proposer that drafts, got max_drafts={max_drafts}")
         self.max_drafts = max_drafts
-        self.rates: dict[tuple[int, int], float] = {}  # (bucket, length) -> committed tokens per second
-        self.measured_at: dict[tuple[int, int], int] = {}  # (bucket, length) -> the bucket's step count then
-        self.steps: dict[int, int] = {}  # bucket -> decode steps measured
+        self.drafted = [0.0] * (max_drafts + 1)  # [i]: sequences that drafted position i (decayed), i >= 1
+        self.accepted = [0.0] * (max_drafts + 1)  # [i]: ... and had drafts 1..i all accepted
+        self.ratios: dict[tuple[int, int], list[float]] = {}  # (bucket, L) -> the last pairs' r(B, L), L >= 1
+        self.paired_at: dict[tuple[int, int], int] = {}  # (bucket, L) -> the bucket's step count at its last pair
+        self.steps: dict[int, int] = {}  # bucket -> decode steps recorded
+        self.previous: tuple[int, int, float] | None = None  # the last decode step: (bucket, L, seconds)
+
+    def acceptance(self, position: int) -> float:
+        """p_position: the measured chance that drafts 1..position are all accepted (0 unmeasured)."""
+        return self.accepted[position] / self.drafted[position] if self.drafted[position] > 0 else 0.0
+
+    def expected_tokens(self, length: int) -> float:
+        """Tokens a sequence commits per step when it drafts `length`: 1 + p_1 + ... + p_length."""
+        return 1 + sum(self.acceptance(i) for i in range(1, length + 1))
 
     def choose(self, batch_size: int) -> int:
         bucket = batch_bucket(batch_size)
-        lengths = range(self.max_drafts, -1, -1)  # untried lengths from the longest: the proposer's own setting first
-        untried = [length for length in lengths if (bucket, length) not in self.rates]
-        if untried:
-            return untried[0]
-        if self.steps[bucket] % EXPLORE_EVERY == EXPLORE_EVERY - 1:
-            return min(lengths, key=lambda length: self.measured_at[(bucket, length)])
-        return max(lengths, key=lambda length: self.rates[(bucket, length)])
+        lengths = range(self.max_drafts, 0, -1)
+        pairing = self._pairing(bucket)
+        if pairing is not None:  # the second step of a pair: without drafts, right after it
+            return 0
+        unpaired = [length for length in lengths if len(self.ratios.get((bucket, length), ())) < MIN_PAIRS]
+        if unpaired:
+            return unpaired[0]
+        if self.steps.get(bucket, 0) % EXPLORE_EVERY == EXPLORE_EVERY - 1:
+            return min(lengths, key=lambda length: self.paired_at[(bucket, length)])
+        return max(range(self.max_drafts + 1), key=lambda length: self.expected_tokens(length) / self.cost(bucket, length))
 
-    def record(self, batch_size: int, length: int, committed_tokens: int, seconds: float) -> None:
-        """A decode step (no prompt chunk in it) that drafted up to `length` tokens per sequence."""
-        bucket, rate = batch_bucket(batch_size), committed_tokens / max(seconds, 1e-9)
+    def cost(self, bucket: int, length: int) -> float:
+        """r(B, L): a step drafting `length` against one without drafts, at this batch-size bucket."""
+        return statistics.median(self.ratios[(bucket, length)]) if length else 1.0
+
+    def _pairing(self, bucket: int) -> int | None:
+        """The length of the previous step when it drafted, in this bucket, and still needs its
+        step without drafts (an unpaired length, an exploring one, or the chosen one, due again)."""
+        if self.previous is None:
+            return None
+        previous_bucket, length, _ = self.previous
+        if previous_bucket != bucket or length == 0:
+            return None
         key = (bucket, length)
-        self.rates[key] = rate if key not in self.rates else (1 - SMOOTHING) * self.rates[key] + SMOOTHING * rate
+        due = len(self.ratios.get(key, ())) < MIN_PAIRS or self.paired_at[key] < self.steps[bucket] - EXPLORE_EVERY
+        return length if due else None
+
+    def record(self, batch_size: int, length: int, seconds: float, verified: list[tuple[int, int]]) -> None:
+        """A decode step (no prompt chunk in it) that drafted up to `length` tokens per sequence;
+        `verified`: each sequence's (drafts verified, drafts accepted)."""
+        bucket = batch_bucket(batch_size)
+        for i in range(1, self.max_drafts + 1):
+            self.drafted[i] *= 1 - ACCEPTANCE_DECAY
+            self.accepted[i] *= 1 - ACCEPTANCE_DECAY
+        for num_drafts, num_accepted in verified:
+            for i in range(1, num_drafts + 1):
+                self.drafted[i] += 1
+                self.accepted[i] += i <= num_accepted
         self.steps[bucket] = self.steps.get(bucket, 0) + 1
-        self.measured_at[key] = self.steps[bucket]
+        if self.previous is not None:
+            previous_bucket, previous_length, previous_seconds = self.previous
+            if previous_bucket == bucket and (previous_length == 0) != (length == 0):  # one drafted, one did not
+                drafting, with_drafts, without = ((length, seconds, previous_seconds) if length
+                                                  else (previous_length, previous_seconds, seconds))
+                key = (bucket, drafting)
+                self.ratios[key] = (self.ratios.get(key, []) + [with_drafts / max(without, 1e-9)])[-RATIO_SAMPLES:]
+                self.paired_at[key] = self.steps[bucket]
+        self.previous = (bucket, length, seconds)

@@ -273,6 +273,57 @@ def batched_drafting_ms(model: LoadedModel, method: str, sizes=(1, 4, 8), steps:
     return timings
 
 
+def closed_loop(model: LoadedModel, methods: list[str], prompts: list[list[int]], batch_size: int,
+                rounds: int = 6, round_steps: int = 15, max_new_tokens: int = 400) -> dict:
+    """Engine steps over `batch_size` sequences, in process: a finished sequence is replaced by the
+    next prompt. Plain decoding, and every speculative method both with its fixed draft length and
+    with adaptive speculation, run round_steps steps each in turn, `rounds` times, so the machine's
+    speed drift falls on all of them alike. Per configuration: committed tokens/s of each round and
+    how often adaptive speculation chose each draft length."""
+    configs = {"ar": build_engine(model, "ar")}
+    for method in methods:
+        name, options = method_spec(method)
+        if name != "ar":
+            configs[f"{method} fixed"] = build_engine(model, name, options)
+            configs[f"{method} adaptive"] = build_engine(model, name, options, adaptive=True)
+    state = {label: {"batch": [], "next": 0, "rates": [], "lengths": []} for label in configs}
+
+    def run_round(label: str) -> float:
+        engine, entry = configs[label], state[label]
+        batch = entry["batch"]
+        committed, started = 0, time.perf_counter()
+        for _ in range(round_steps):
+            while len(batch) < batch_size:
+                batch.append(engine.add(Request(prompts[entry["next"] % len(prompts)], max_new_tokens)))
+                entry["next"] += 1
+            steps = engine.step(batch)
+            committed += sum(len(step.token_ids) for step in steps if step is not None)
+            if engine.draft_length is not None:
+                entry["lengths"].append(engine.draft_length)
+            batch[:] = [sequence for sequence in batch if sequence.finish_reason is None]
+        return committed / (time.perf_counter() - started)
+
+    for label in configs:  # prompts prefilled, kernels chosen: not timed
+        run_round(label)
+        state[label]["lengths"].clear()
+    for _ in range(rounds):
+        for label in configs:
+            state[label]["rates"].append(round(run_round(label), 2))
+    return {label: {"tokens_per_second": statistics.median(entry["rates"]), "rounds": entry["rates"],
+                    "lengths": {n: entry["lengths"].count(n) for n in sorted(set(entry["lengths"]))}}
+            for label, entry in state.items()}
+
+
+def closed_loop_table(results: dict) -> str:
+    base = results["ar"]["tokens_per_second"]
+    rows = [("configuration", "tok/s (median of rounds)", "vs ar", "rounds", "draft lengths chosen")]
+    for label, r in results.items():
+        lengths = ", ".join(f"{n}: {count}" for n, count in r["lengths"].items()) or "-"
+        rows.append((label, f"{r['tokens_per_second']:.1f}", f"{r['tokens_per_second'] / base:.2f}x",
+                     " ".join(f"{x:.0f}" for x in r["rounds"]), lengths))
+    return "\n".join(markdown_table(rows))
+
+
 def _median_ms(fn, runs: int) -> float:
     fn()  # the first call pays for allocation and kernel selection
     samples = []

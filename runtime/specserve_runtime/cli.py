@@ -235,8 +235,8 @@ def cmd_launch(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from .bench import (batched_drafting_ms, decode_floor, method_spec, performance_block, run_bench, scenario_method,
-                        summarize, table)
+    from .bench import (batched_drafting_ms, closed_loop, closed_loop_table, decode_floor, method_spec, performance_block,
+                        run_bench, scenario_method, summarize, table)
     from .loader import load_model
     from .training.prompts import PROMPTS_FILE
 
@@ -264,6 +264,18 @@ def cmd_bench(args) -> None:
             prompts += read_prompt_set(PROMPTS_FILE, split="eval", category=category)[: args.per_category]
     if args.concurrency:
         bench_server(args, methods, [record["prompt"] for record in prompts[: args.limit]])
+        return
+    if args.closed_loop is not None:
+        if args.closed_loop < 1:
+            raise UsageError(f"--closed-loop {args.closed_loop}: the batch size must be >= 1")
+        if args.kernels or args.baselines or args.temperature or args.repeats != 1 or args.url or args.emit_performance:
+            raise UsageError("--closed-loop measures greedy decoding under load in process: --kernels, --baselines, "
+                             "--temperature, --repeats, --url and --emit-performance are for the other modes")
+        model = load_model(args.model)
+        results = closed_loop(model, methods, [model.encode(r["prompt"]) for r in prompts[: args.limit]], args.closed_loop)
+        print(closed_loop_table(results))
+        if args.json:
+            print(json.dumps(results))
         return
     if args.url:
         raise UsageError("--url benches a running server under load: it needs --concurrency")
@@ -418,6 +430,9 @@ def build_parser() -> Parser:
                        help="serving under closed-loop load at each concurrency (OpenAI streaming clients)")
     bench.add_argument("--url", help="with --concurrency: bench this running server instead of starting one per method")
     bench.add_argument("--requests-per-client", type=int, default=2, help="with --concurrency (default 2)")
+    bench.add_argument("--closed-loop", type=int, metavar="B",
+                       help="in process: B sequences decoding at once, each method fixed and adaptive, "
+                            "interleaved in rounds (speculation under load without a server)")
     bench.set_defaults(run=cmd_bench)
 
     distill = commands.add_parser("distill", help="generate self-distilled drafter training data (resumable)")

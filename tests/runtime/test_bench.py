@@ -171,6 +171,8 @@ def test_load_curves_become_a_performance_block_with_a_row_per_concurrency(tmp_p
     (["--concurrency", "1", "--url", "http://127.0.0.1:1"], "--url benches the one method that server runs"),
     (["--concurrency", "1", "--kernels"], "--concurrency measures greedy serving"),
     (["--concurrency", "1", "--requests-per-client", "0"], "--requests-per-client must be >= 1"),
+    (["--closed-loop", "0"], "--closed-loop 0: the batch size must be >= 1"),
+    (["--closed-loop", "8", "--kernels"], "--closed-loop measures greedy decoding under load in process"),
 ])
 def test_load_bench_refuses_bad_flags_before_starting_anything(capsys, arguments, message):
     from specserve_runtime.cli import main
@@ -215,3 +217,21 @@ def test_load_bench_names_why_its_server_did_not_start(tmp_path, capsys):
     assert main(["bench", "--methods", "ar", "--concurrency", "1", "--limit", "1", "--model", str(absent)]) == 2
     error = capsys.readouterr().err
     assert "bench --concurrency: specserve serve --method ar exited with code 2" in error and str(absent) in error
+
+
+def test_the_closed_loop_interleaves_plain_fixed_and_adaptive_and_replaces_finished_sequences(tiny_llama, tiny_llama_dir):
+    from specserve_runtime.bench import closed_loop, closed_loop_table
+    from specserve_runtime.loader import LoadedModel
+
+    from .conftest import ByteTokenizer
+
+    model = LoadedModel(tiny_llama_dir, tiny_llama, ByteTokenizer(), {2})
+    prompts = [[5, 6, 7, 5, 6, 7], [9, 10, 11, 12], [20, 21, 20, 21, 20]]
+    results = closed_loop(model, ["ngram:2"], prompts, batch_size=3, rounds=2, round_steps=6, max_new_tokens=5)
+    assert list(results) == ["ar", "ngram:2 fixed", "ngram:2 adaptive"]
+    for result in results.values():
+        assert len(result["rounds"]) == 2 and result["tokens_per_second"] > 0
+    assert results["ar"]["lengths"] == {} and results["ngram:2 fixed"]["lengths"] == {}
+    assert set(results["ngram:2 adaptive"]["lengths"]) <= {0, 1, 2} and sum(results["ngram:2 adaptive"]["lengths"].values()) > 0
+    table = closed_loop_table(results)
+    assert "| ngram:2 adaptive" in table and "1.00x" in table  # ar against itself
