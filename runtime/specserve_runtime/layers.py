@@ -242,9 +242,6 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         return apply_rope(k, cos, sin), v
 
-    def output(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
-        return self.project_out(self.attend(q, k, v, mask))
-
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
         """Queries [1, heads, T, D] over keys/values [1, kv_heads, S, D] -> attended values [1, heads, T, D]."""
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
