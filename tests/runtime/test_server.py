@@ -293,6 +293,46 @@ async def test_engine_failure_is_a_500_counted_as_finished_reason_error(smollm2)
         server.worker.stop()
 
 
+async def test_a_request_frees_its_slot_before_its_answer_goes_out(smollm2, monkeypatch):
+    """A client may send its next request the moment it has its answer; with max_concurrency 1 that
+    request must find the slot free. (Freed after the answer, a fresh CI run saw its 429.)"""
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from specserve_runtime.server.app import _DONE, Server, Worker
+
+    order = []
+    release, emit = Worker._release, Worker._emit
+
+    def spy_release(self, job):
+        order.append(("release", job))
+        release(self, job)
+
+    def spy_emit(self, job, item):
+        if item is _DONE or isinstance(item, Exception):  # the end of the answer
+            order.append(("answer", job))
+        emit(self, job, item)
+
+    monkeypatch.setattr(Worker, "_release", spy_release)
+    monkeypatch.setattr(Worker, "_emit", spy_emit)
+    server = Server(smollm2, FailingEngine(build_engine(smollm2, "ar")), MODEL, "ar", None, max_concurrency=1)
+    try:
+        async with TestServer(server.app()) as test_server, aiohttp.ClientSession() as session:
+            url = str(test_server.make_url("/v1/completions"))
+            statuses = []
+            for _ in range(3):  # the engine fails the first, then serves
+                response = await session.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 4})
+                statuses.append(response.status)
+            assert statuses == [500, 200, 200]
+    finally:
+        server.worker.stop()
+    jobs = list(dict.fromkeys(job for _, job in order))
+    assert len(jobs) == 3
+    for job in jobs:
+        kinds = [kind for kind, j in order if j is job]
+        assert kinds.index("release") < kinds.index("answer")
+
+
 class RefusingEngine(WrappedEngine):
     """Wraps an engine: a request whose prompt is longer than `limit` tokens cannot start."""
 

@@ -137,8 +137,8 @@ class Worker:
             sequence = self.engine.add(job.request, result)
         except Exception as exc:  # e.g. no memory for its KV cache: this request fails, the batch goes on
             metrics.of(metrics.success, finished_reason="error").inc()
-            self._emit(job, exc)
             self._release(job)
+            self._emit(job, exc)
             return []
         metrics.of(metrics.queue_time).observe(time.perf_counter() - job.arrived)
         metrics.of(metrics.running).inc()
@@ -159,16 +159,17 @@ class Worker:
             self._finish(running, step.finish_reason)
 
     def _finish(self, running: Running, finish_reason: str, error: Exception | None = None) -> None:
-        """Count the request as vLLM does, answer it and free its slot."""
+        """Count the request as vLLM does, free its slot and answer it. The slot goes first: once the
+        answer is out, the client may send its next request at once, and it must find the slot free."""
         metrics, job = self.metrics, running.job
         running.result.finish_reason = running.result.finish_reason or finish_reason
         metrics.of(metrics.running).dec()
         metrics.of(metrics.e2e).observe(time.perf_counter() - job.arrived)
         metrics.of(metrics.success, finished_reason=finish_reason).inc()
+        self._release(job)
         self._emit(job, error if error is not None else running.result)
         if error is None:
             self._emit(job, _DONE)
-        self._release(job)
 
     def _release(self, job: Job) -> None:
         with self.lock:
