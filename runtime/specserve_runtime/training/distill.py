@@ -4,10 +4,14 @@ The drafter must predict what the target will say, so it learns from the target'
 (chat template applied, as served), not from human-written answers. Generation runs in
 batches with transformers (batched greedy decoding is several times faster on CPU than one
 sequence at a time), and writes one JSONL shard per chunk of prompts: an interrupted run
-resumes at the first missing shard. The target hidden states a drafter needs are not stored
-here: training computes them once per tap set and caches them beside the shards (train.py).
+resumes at the first missing shard. `distill.json` beside the shards records the settings (target,
+vocabulary, prompt file, split, length) and each shard's size and hash: a resume with other
+settings, or over a truncated or edited shard, is refused with the file named, and nothing
+written is touched. The target hidden states a drafter needs are not stored here: training
+computes them once per tap set and caches them beside the shards (train.py).
 """
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -18,6 +22,7 @@ from ..store import resolve_model
 from .prompts import PROMPTS_FILE, read_prompts
 
 SHARD_SIZE = 128
+MANIFEST = "distill.json"
 
 
 def distill(
@@ -43,11 +48,19 @@ def distill(
     tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
     target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     eos = tokenizer.eos_token_id
+    settings = {"model": str(model), "vocab_size": len(tokenizer), "prompts_sha256": _sha256(Path(prompts_file).read_bytes()),
+                "split": split, "max_new_tokens": max_new_tokens}
+    manifest = _open_manifest(out_dir, settings)
     shards = [records[i : i + SHARD_SIZE] for i in range(0, len(records), SHARD_SIZE)]
-    done = sum((out_dir / f"shard-{n:05d}.jsonl").exists() for n in range(len(shards)))
+    done = 0
+    for number, shard in enumerate(shards):
+        path = out_dir / f"shard-{number:05d}.jsonl"
+        if path.exists():
+            _check_shard(path, manifest, planned=len(shard))
+            done += 1
     log(f"distilling {len(records)} {split} prompts into {out_dir} ({done}/{len(shards)} shards already done)")
     progress = tqdm(total=len(records), initial=done * SHARD_SIZE, unit="prompt", dynamic_ncols=True)
-    generated, started = 0, time.perf_counter()
+    generated, started, cpu_started = 0, time.perf_counter(), time.process_time()
     for number, shard in enumerate(shards):
         path = out_dir / f"shard-{number:05d}.jsonl"
         if path.exists():
@@ -74,17 +87,98 @@ def distill(
                 generated += len(response)
                 lines.append(json.dumps({**record, "prompt_ids": prompt_ids, "response_ids": response}))
             progress.update(len(batch))
-            progress.set_postfix(tokens_per_s=f"{generated / (time.perf_counter() - started):.0f}")
-        partial = path.with_suffix(".partial")
-        partial.write_text("\n".join(lines) + "\n")
-        partial.rename(path)  # a shard is complete or absent
+            progress.set_postfix(tokens_per_s=f"{generated / (time.perf_counter() - started):.0f}",
+                                 per_cpu_s=f"{generated / max(time.process_time() - cpu_started, 1e-9):.0f}")
+        text = "\n".join(lines) + "\n"
+        _write_atomically(path, text)  # a shard is complete or absent
+        manifest["shards"][path.name] = {"records": len(lines), "sha256": _sha256(text.encode())}
+        manifest["response_tokens"] = manifest.get("response_tokens", 0) + sum(len(json.loads(x)["response_ids"]) for x in lines)
+        _write_atomically(out_dir / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     progress.close()
+    if generated:
+        wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+        log(f"generated {generated} tokens in {wall:.0f} s: {generated / wall:.1f} tokens/s, "
+            f"{generated / max(cpu, 1e-9):.1f} tokens per CPU-second")
     return out_dir
 
 
-def read_sequences(data_dir: str | Path) -> list[dict]:
-    """All distilled records of a data folder, in shard order."""
-    files = sorted(Path(data_dir).glob("shard-*.jsonl"))
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    partial.rename(path)
+
+
+def _open_manifest(out_dir: Path, settings: dict) -> dict:
+    """The folder's manifest, new or resumed; a resume with other settings is refused."""
+    path = out_dir / MANIFEST
+    if not path.exists():
+        if any(out_dir.glob("shard-*.jsonl")):
+            raise ValueError(f"{out_dir}: shards without a {MANIFEST} (written by another tool or version); "
+                             "use a new --out folder")
+        return {"settings": settings, "shards": {}}
+    try:
+        manifest = json.loads(path.read_text())
+        stored = manifest["settings"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: unreadable manifest ({exc}); restore it or use a new --out folder") from exc
+    changed = [f"{key} {stored.get(key)!r} -> {value!r}" for key, value in settings.items() if stored.get(key) != value]
+    if changed:
+        raise ValueError(f"{path} was written with other settings ({'; '.join(changed)}): "
+                         "resume with the same target, prompts and flags, or use a new --out folder")
+    return manifest
+
+
+def _check_shard(path: Path, manifest: dict, planned: int) -> None:
+    """A shard already written must be the one the manifest recorded, as large as this run plans."""
+    recorded = manifest["shards"].get(path.name)
+    if recorded is None:
+        raise ValueError(f"{path} is not in {MANIFEST} (left by an interrupted or other run?): move it away to regenerate it")
+    if _sha256(path.read_bytes()) != recorded["sha256"]:
+        raise ValueError(f"{path} does not match the hash in {MANIFEST} (truncated or edited): move it away to regenerate it")
+    if recorded["records"] != planned:
+        raise ValueError(f"{path} holds {recorded['records']} prompts where this run plans {planned} "
+                         "(an earlier --limit?): move it away to regenerate it")
+
+
+def read_sequences(data_dir: str | Path, vocab_size: int | None = None) -> list[dict]:
+    """All distilled records of a data folder, in shard order (see read_shards)."""
+    return [record for _, records in read_shards(data_dir, vocab_size) for record in records]
+
+
+def read_shards(data_dir: str | Path, vocab_size: int | None = None) -> list[tuple[Path, list[dict]]]:
+    """Each shard of a data folder with its records, checked against the folder's manifest.
+
+    With `vocab_size` (the target's), data distilled from another vocabulary is refused.
+    """
+    folder = Path(data_dir)
+    files = sorted(folder.glob("shard-*.jsonl"))
     if not files:
-        raise ValueError(f"{data_dir}: no shard-*.jsonl files (run `specserve distill` first)")
-    return [json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()]
+        raise ValueError(f"{folder}: no shard-*.jsonl files (run `specserve distill` first)")
+    manifest = json.loads((folder / MANIFEST).read_text()) if (folder / MANIFEST).exists() else None
+    if manifest is not None and vocab_size is not None and manifest["settings"]["vocab_size"] != vocab_size:
+        raise ValueError(f"{folder / MANIFEST}: distilled with a {manifest['settings']['vocab_size']}-token vocabulary, "
+                         f"but the target has {vocab_size} (data of another target?)")
+    shards = []
+    for path in files:
+        data = path.read_bytes()
+        if manifest is not None and manifest["shards"].get(path.name, {}).get("sha256") != _sha256(data):
+            raise ValueError(f"{path} does not match the hash in {folder / MANIFEST} (truncated, edited or foreign)")
+        records = []
+        for number, line in enumerate(data.decode().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                tokens = record["prompt_ids"] + record["response_ids"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{number}: not a distilled record ({exc})") from exc
+            if vocab_size is not None and not all(0 <= t < vocab_size for t in tokens):
+                raise ValueError(f"{path}:{number}: token ids outside the target's vocabulary of {vocab_size} "
+                                 "(data of another target?)")
+            records.append(record)
+        shards.append((path, records))
+    return shards

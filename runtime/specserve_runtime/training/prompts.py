@@ -130,7 +130,7 @@ def _assign_splits(records: list[dict]) -> None:
         record["split"] = "eval" if record["topic"] in held_out else "train"
 
 
-def build_prompts(seed: int = 0) -> list[dict]:
+def build_prompts(seed: int = 0, math_variants: int = 60) -> list[dict]:
     rng = random.Random(seed)
     records = []
 
@@ -138,7 +138,7 @@ def build_prompts(seed: int = 0) -> list[dict]:
         records.append({"prompt": prompt, "category": category, "topic": topic})
 
     for index, template in enumerate(MATH_TEMPLATES):
-        for _ in range(60):
+        for _ in range(math_variants):
             a, b = rng.randint(2, 60), rng.randint(2, 12)
             values = dict(
                 n1=rng.choice(NAMES), n2=rng.choice(NAMES), item=rng.choice(ITEMS), a=a, b=b,

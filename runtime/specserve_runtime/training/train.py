@@ -6,6 +6,7 @@ are written every `checkpoint_every` steps and a run resumes from the last one; 
 seed a run is deterministic (anchors, data order and initialisation are seeded).
 """
 
+import hashlib
 import json
 import math
 import sys
@@ -14,13 +15,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ..drafters.dflash import DFlashConfig, DFlashDrafter, save_dflash
 from ..drafters.eagle3 import Eagle3Config, Eagle3Drafter, feature_layer_ids, save_eagle3
 from ..drafters.vocab import DraftHead, draft_token_ids, frequency_ranked, set_draft_vocab
 from ..model import Transformer
-from .distill import read_sequences
+from .distill import read_shards
 from .recipes import dflash_loss, eagle3_loss
 
 
@@ -51,21 +52,57 @@ class TrainConfig:
             raise ValueError("--block-size >= 2, --steps, --depth and --anchors >= 1, --draft-vocab-size >= 0 are required")
 
 
-def feature_cache(target: Transformer, sequences: list[dict], layers: tuple[int, ...], path: Path, log) -> list[torch.Tensor]:
-    """Target taps of every sequence (float16), computed once and stored beside the data."""
-    if path.exists():
-        stored = load_file(path)
-        return [stored[str(i)] for i in range(len(sequences))]
-    from tqdm import tqdm
+class TargetFeatures:
+    """The target's tapped hidden states of each sequence (float16), one safetensors file per shard.
 
-    log(f"computing target features of layers {list(layers)} for {len(sequences)} sequences (once)")
-    taps = []
-    for record in tqdm(sequences, unit="seq", dynamic_ncols=True):
-        tokens = torch.tensor(record["prompt_ids"] + record["response_ids"])
-        out = target(tokens, target.new_cache(tokens.shape[0]), tap_layers=layers, last_logits_only=True)
-        taps.append(out.taps.half())
-    save_file({str(i): t.contiguous() for i, t in enumerate(taps)}, path)
-    return taps
+    Computed once per tap set, beside the data, and read lazily from memory-mapped files: the
+    features of a 2M-token set (~9 GB) need not fit in memory. A file that does not match its shard
+    (truncated, or computed from an earlier version of the shard) is computed again.
+    """
+
+    def __init__(self, target: Transformer, shards: list[tuple[Path, list[dict]]], layers: tuple[int, ...], log):
+        from safetensors import safe_open
+
+        self.handles, self.keys = [], []
+        for path, records in shards:
+            cache = path.parent / f"taps-{'-'.join(map(str, layers))}" / path.with_suffix(".safetensors").name
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            handle = self._open(cache, digest, len(records))
+            if handle is None:
+                log(f"computing target features of layers {list(layers)} for {path.name} ({len(records)} sequences)")
+                taps = {}
+                for number, record in enumerate(records):
+                    tokens = torch.tensor(record["prompt_ids"] + record["response_ids"])
+                    out = target(tokens, target.new_cache(tokens.shape[0]), tap_layers=layers, last_logits_only=True)
+                    taps[str(number)] = out.taps.half().contiguous()
+                cache.parent.mkdir(exist_ok=True)
+                partial = cache.with_name(cache.name + ".partial")
+                save_file(taps, partial, metadata={"shard_sha256": digest})
+                partial.rename(cache)
+                handle = safe_open(cache, "pt")
+            self.handles.append(handle)
+            self.keys += [(len(self.handles) - 1, str(n)) for n in range(len(records))]
+
+    @staticmethod
+    def _open(cache: Path, digest: str, count: int):
+        from safetensors import SafetensorError, safe_open
+
+        if not cache.exists():
+            return None
+        try:
+            handle = safe_open(cache, "pt")
+        except (SafetensorError, OSError):  # truncated or not a safetensors file
+            return None
+        if handle.metadata() != {"shard_sha256": digest} or len(handle.keys()) != count:
+            return None
+        return handle
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        handle, key = self.keys[index]
+        return self.handles[handle].get_tensor(key)
 
 
 def new_drafter(cfg: TrainConfig, target: Transformer, mask_token_id: int, sequences: list[dict]):
@@ -110,6 +147,17 @@ def evaluate(cfg: TrainConfig, drafter, target, head: DraftHead, sequences, taps
     }
 
 
+def _first_sequences(shards: list[tuple[Path, list[dict]]], count: int) -> list[tuple[Path, list[dict]]]:
+    """The shards that hold the first `count` sequences: only their features are needed."""
+    needed, total = [], 0
+    for shard in shards:
+        if total >= count:
+            break
+        needed.append(shard)
+        total += len(shard[1])
+    return needed
+
+
 def learning_rate(cfg: TrainConfig, step: int) -> float:
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
@@ -123,11 +171,14 @@ def train(cfg: TrainConfig, target: Transformer, mask_token_id: int, log=print) 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     layers = feature_layer_ids(target.config.num_hidden_layers)
-    names = "-".join(map(str, layers))
-    data, eval_data = read_sequences(cfg.data), read_sequences(cfg.eval_data)[: cfg.eval_sequences]
+    vocab_size = target.config.vocab_size
+    shards, eval_shards = read_shards(cfg.data, vocab_size), read_shards(cfg.eval_data, vocab_size)
+    data = [record for _, records in shards for record in records]
+    eval_shards = _first_sequences(eval_shards, cfg.eval_sequences)
+    eval_data = [record for _, records in eval_shards for record in records][: cfg.eval_sequences]
     drafter = new_drafter(cfg, target, mask_token_id, data).train()  # before the slow feature pass: bad settings fail fast
-    taps = feature_cache(target, data, layers, Path(cfg.data) / f"taps-{names}.safetensors", log)
-    eval_taps = feature_cache(target, eval_data, layers, Path(cfg.eval_data) / f"taps-{names}-{len(eval_data)}.safetensors", log)
+    taps = TargetFeatures(target, shards, layers, log)
+    eval_taps = TargetFeatures(target, eval_shards, layers, log)
 
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     generator = torch.Generator().manual_seed(cfg.seed)

