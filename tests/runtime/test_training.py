@@ -185,3 +185,55 @@ def test_a_draft_vocabulary_larger_than_the_target_is_an_error(tiny_llama, tmp_p
     config = training.TrainConfig(method="dflash", data=data, eval_data=data, out=str(tmp_path / "run"), draft_vocab_size=97)
     with pytest.raises(DrafterError, match="draft_vocab_size must be within 1..96, got 97"):
         training.train(config, tiny_llama, 95, log=lambda message: None)
+
+
+def test_logit_targets_are_the_targets_next_token_distribution(tiny_llama):
+    """The last tap, normed, times the LM head is the target's own logits: what `--targets logits` learns."""
+    from specserve_runtime.training.recipes import token_losses
+    from specserve_runtime.training.train import TrainConfig, tap_layers
+
+    config = TrainConfig(method="dflash", data="d", eval_data="e", out="o", targets="logits")
+    layers = tap_layers(config, tiny_llama)
+    assert layers[-1] == tiny_llama.config.num_hidden_layers - 1 and len(set(layers)) == 4
+    tokens = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(2))
+    out = tiny_llama(tokens, tiny_llama.new_cache(16), tap_layers=layers)
+    teacher = tiny_llama.norm(out.taps[:, -tiny_llama.config.hidden_size:])
+    torch.testing.assert_close(DraftHead(tiny_llama.lm_head.weight, None).logits(teacher), out.logits)
+
+    # Forward KL: a drafter that already predicts the target's distribution gets no gradient,
+    # where cross-entropy with the argmax token still pushes it.
+    logits = out.logits.clone().requires_grad_(True)
+    token_losses(logits, out.logits.argmax(-1), out.logits).sum().backward()
+    assert logits.grad.abs().max() < 1e-6
+    logits.grad = None
+    token_losses(logits, out.logits.argmax(-1), None).sum().backward()
+    assert logits.grad.abs().max() > 1e-3
+
+
+def test_draft_layers_can_start_as_the_targets_top_layers(tiny_llama):
+    from specserve_runtime.training.train import TrainConfig, new_drafter
+
+    settings = dict(method="dflash", data="d", eval_data="e", out="o", num_layers=2, block_size=4, draft_vocab_size=0)
+    copied = new_drafter(TrainConfig(init="target", **settings), tiny_llama, 95, [])
+    fresh = new_drafter(TrainConfig(**settings), tiny_llama, 95, [])
+    for draft, source in zip(copied.layers, tiny_llama.layers[-2:]):
+        for name in ("self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight"):
+            torch.testing.assert_close(draft.state_dict()[name], source.state_dict()[name], rtol=0, atol=0)
+    torch.testing.assert_close(copied.norm.weight, tiny_llama.norm.weight, rtol=0, atol=0)
+    assert not torch.equal(fresh.layers[0].self_attn.q_proj.weight, copied.layers[0].self_attn.q_proj.weight)
+    with pytest.raises(ValueError, match="--init must be random, or target for dflash"):
+        TrainConfig(**{**settings, "method": "eagle3", "init": "target"})
+
+
+@pytest.mark.parametrize("method", ["dflash", "eagle3"])
+def test_training_with_logit_targets_runs_end_to_end(tiny_llama, tmp_path, method):
+    from specserve_runtime.training import train as training
+
+    generator = torch.Generator().manual_seed(5)
+    data = write_distilled(tmp_path / "data", [torch.randint(0, 95, (30,), generator=generator).tolist() for _ in range(3)])
+    config = training.TrainConfig(method=method, data=data, eval_data=data, out=str(tmp_path / "run"), steps=4, warmup=1,
+                                  block_size=4, num_layers=1, anchors=4, depth=2, draft_vocab_size=48, eval_every=2,
+                                  eval_sequences=2, targets="logits", init="target" if method == "dflash" else "random")
+    summary = training.train(config, tiny_llama, 95, log=lambda message: None)
+    assert [h["step"] for h in summary["history"]] == [2, 4] and all(h["loss"] > 0 for h in summary["history"])
+    assert (tmp_path / "data" / "taps-1-2-3-5" / "shard-00000.safetensors").exists()  # the last layer tapped too

@@ -41,6 +41,16 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
     return torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / gamma)
 
 
+def token_losses(logits: torch.Tensor, labels: torch.Tensor, teacher_logits: torch.Tensor | None) -> torch.Tensor:
+    """Per-position loss: cross-entropy with the data token (the target's argmax), or, given the
+    target's logits over the draft vocabulary, with its whole distribution (forward KL up to the
+    target's entropy, a constant). The soft target also teaches which tokens come close, and it
+    covers positions whose token the draft vocabulary lacks."""
+    if teacher_logits is None:
+        return F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="none")
+    return -(torch.softmax(teacher_logits, dim=-1) * torch.log_softmax(logits, dim=-1)).sum(-1)
+
+
 def accepted_prefix(correct: torch.Tensor) -> torch.Tensor:
     """[..., K] booleans -> number of leading Trues."""
     return correct.int().cumprod(dim=-1).sum(dim=-1)
@@ -56,6 +66,7 @@ def dflash_loss(
     num_anchors: int,
     gamma: float,
     generator: torch.Generator,
+    teacher: torch.Tensor | None = None,  # [S, H]: the target's normed last hidden states (logit targets)
 ) -> tuple[torch.Tensor, dict]:
     cfg = drafter.config
     length, size = tokens.shape[0], cfg.block_size
@@ -71,8 +82,11 @@ def dflash_loss(
     valid = label_positions < length
     labels = head.to_draft(tokens[label_positions.clamp(max=length - 1)])  # IGNORE: not in the draft vocabulary
     logits = head.logits(hidden)  # [N, B-1, V_draft]
-    losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="none")
-    weights = position_weights(size, gamma)[None, :] * valid * (labels != IGNORE)
+    # The target's distribution for the token at p comes from its hidden state at p - 1.
+    teacher_logits = None if teacher is None else head.logits(teacher[(label_positions - 1).clamp(max=length - 1)])
+    losses = token_losses(logits.flatten(0, 1), labels.flatten(),
+                          None if teacher_logits is None else teacher_logits.flatten(0, 1))
+    weights = position_weights(size, gamma)[None, :] * valid * ((labels != IGNORE) | (teacher is not None))
     loss = (losses.view_as(labels) * weights).sum() / weights.sum().clamp(min=1e-6)
     with torch.no_grad():
         correct = (logits.argmax(-1) == labels) & valid
@@ -88,6 +102,7 @@ def eagle3_loss(
     taps: torch.Tensor,  # [S, L*H]
     response_start: int,
     depth: int,
+    teacher: torch.Tensor | None = None,  # [S, H]: the target's normed last hidden states (logit targets)
 ) -> tuple[torch.Tensor, dict]:
     """Training-time test: unroll `depth` drafting steps exactly as the proposer runs them.
 
@@ -121,9 +136,10 @@ def eagle3_loss(
         valid = (label_positions < length) & (label_positions >= response_start)
         labels = head.to_draft(tokens[label_positions.clamp(max=length - 1)][valid])
         logits = head.logits(drafter.norm(features[valid]))
+        teacher_logits = None if teacher is None else head.logits(teacher[(label_positions - 1)[valid]])
         weight = 0.8 ** (step - 1)
-        known = (labels != IGNORE).sum().clamp(min=1)
-        total = total + weight * F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum") / known
+        known = labels.numel() if teacher is not None else int((labels != IGNORE).sum())
+        total = total + weight * token_losses(logits, labels, teacher_logits).sum() / max(known, 1)
         weight_sum += weight
         step_correct = torch.zeros_like(valid)
         step_correct[valid] = logits.argmax(-1) == labels

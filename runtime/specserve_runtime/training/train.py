@@ -44,10 +44,17 @@ class TrainConfig:
     eval_every: int = 250
     eval_sequences: int = 24
     checkpoint_every: int = 250
+    targets: str = "argmax"  # argmax: the data token; logits: the target's distribution (forward KL)
+    init: str = "random"  # dflash: random, or target (draft layers start as the target's top layers)
 
     def __post_init__(self):
         if self.method not in ("dflash", "eagle3"):
             raise ValueError(f"--method must be dflash or eagle3, got {self.method!r}")
+        if self.targets not in ("argmax", "logits"):
+            raise ValueError(f"--targets must be argmax or logits, got {self.targets!r}")
+        if self.init not in ("random", "target") or (self.init == "target" and self.method != "dflash"):
+            raise ValueError(f"--init must be random, or target for dflash (EAGLE-3's layer reads [embedding ; "
+                             f"features], twice the target's width), got {self.init!r} for {self.method}")
         if self.block_size < 2 or self.steps < 1 or self.depth < 1 or self.anchors < 1 or self.draft_vocab_size < 0:
             raise ValueError("--block-size >= 2, --steps, --depth and --anchors >= 1, --draft-vocab-size >= 0 are required")
 
@@ -118,6 +125,8 @@ def new_drafter(cfg: TrainConfig, target: Transformer, mask_token_id: int, seque
         )
         assert config.target_layer_ids == feature_layer_ids(target.config.num_hidden_layers)
         drafter = DFlashDrafter(config)
+        if cfg.init == "target":
+            copy_top_layers(drafter, target)
     else:
         drafter = Eagle3Drafter(Eagle3Config.for_target(target.config, draft_vocab_size))
     if draft_vocab_size:
@@ -125,12 +134,38 @@ def new_drafter(cfg: TrainConfig, target: Transformer, mask_token_id: int, seque
     return drafter
 
 
+def copy_top_layers(drafter: DFlashDrafter, target: Transformer) -> None:
+    """Draft layer i starts as target layer (L - n + i), and the final norm as the target's.
+
+    Every tensor of the same name and shape is copied; the draft layers' query/key norms (Qwen3
+    style) have no counterpart in a Llama target and keep their initial ones.
+    """
+    first = len(target.layers) - len(drafter.layers)
+    for layer, source in zip(drafter.layers, target.layers[first:]):
+        theirs = source.state_dict()
+        with torch.no_grad():
+            for name, tensor in layer.state_dict().items():
+                if name in theirs and theirs[name].shape == tensor.shape:
+                    tensor.copy_(theirs[name])
+    drafter.norm.load_state_dict(target.norm.state_dict())
+
+
+def tap_layers(cfg: TrainConfig, target: Transformer) -> tuple[int, ...]:
+    """The drafters' feature layers, and with logit targets the last layer too (its normed output x the LM head)."""
+    layers = feature_layer_ids(target.config.num_hidden_layers)
+    return layers + (target.config.num_hidden_layers - 1,) if cfg.targets == "logits" else layers
+
+
 def sequence_loss(cfg: TrainConfig, drafter, target, head: DraftHead, record: dict, taps: torch.Tensor, generator):
     tokens = torch.tensor(record["prompt_ids"] + record["response_ids"])
     start = len(record["prompt_ids"])
+    taps, teacher = taps.float(), None
+    if cfg.targets == "logits":  # the last tap is the target's last layer: what its LM head reads, once normed
+        width = target.config.hidden_size
+        taps, teacher = taps[:, :-width], target.norm(taps[:, -width:])
     if cfg.method == "dflash":
-        return dflash_loss(drafter, target, head, tokens, taps.float(), start, cfg.anchors, cfg.gamma, generator)
-    return eagle3_loss(drafter, target, head, tokens, taps.float(), start, cfg.depth)
+        return dflash_loss(drafter, target, head, tokens, taps, start, cfg.anchors, cfg.gamma, generator, teacher)
+    return eagle3_loss(drafter, target, head, tokens, taps, start, cfg.depth, teacher)
 
 
 @torch.no_grad()
@@ -170,7 +205,7 @@ def train(cfg: TrainConfig, target: Transformer, mask_token_id: int, log=print) 
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    layers = feature_layer_ids(target.config.num_hidden_layers)
+    layers = tap_layers(cfg, target)
     vocab_size = target.config.vocab_size
     shards, eval_shards = read_shards(cfg.data, vocab_size), read_shards(cfg.eval_data, vocab_size)
     data = [record for _, records in shards for record in records]
