@@ -14,7 +14,8 @@ drifts by tens of percent over a minute, so a length timed in a fast minute woul
 a slow one. p_i is counted from every decode step's verification (a property of the text, with a
 memory of about 1 / ACCEPTANCE_DECAY steps). r(B, L) is the ratio of the times of two adjacent
 decode steps of one batch-size bucket (1, 2, 4, 8, ...), one drafting L and one not, which share
-the machine's speed of that moment; the median of its last RATIO_SAMPLES pairs drops the rest (the
+the machine's speed of that moment (steps with an idle gap of more than MAX_PAIR_GAP between them
+are not adjacent); the median of its last RATIO_SAMPLES pairs drops the rest (the
 first step at a new shape also pays for kernel selection). Each bucket starts by pairing every
 length MIN_PAIRS times with a step without drafts, longest first, and every EXPLORE_EVERY steps it
 re-measures the least recently paired length (a step at that length, then one at 0); the longest
@@ -29,6 +30,7 @@ EXPLORE_EVERY = 32  # decode steps of a batch-size bucket between two exploring 
 RATIO_SAMPLES = 5  # cost-ratio pairs kept per (bucket, length); their median is r(B, L)
 MIN_PAIRS = 3  # pairs per length before a bucket trusts its ratio
 ACCEPTANCE_DECAY = 0.01  # per decode step: the acceptance counts forget the text of ~100 steps ago
+MAX_PAIR_GAP = 1.0  # seconds between two steps that still share the machine's speed (it drifts over tens)
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -46,7 +48,7 @@ class DraftLengthChooser:
         self.ratios: dict[tuple[int, int], list[float]] = {}  # (bucket, L) -> the last pairs' r(B, L), L >= 1
         self.paired_at: dict[tuple[int, int], int] = {}  # (bucket, L) -> the bucket's step count at its last pair
         self.steps: dict[int, int] = {}  # bucket -> decode steps recorded
-        self.previous: tuple[int, int, float] | None = None  # the last decode step: (bucket, L, seconds)
+        self.previous: tuple[int, int, float, float] | None = None  # the last decode step: (bucket, L, seconds, ended at)
 
     def acceptance(self, position: int) -> float:
         """p_position: the measured chance that drafts 1..position are all accepted (0 unmeasured)."""
@@ -59,8 +61,7 @@ class DraftLengthChooser:
     def choose(self, batch_size: int) -> int:
         bucket = batch_bucket(batch_size)
         lengths = range(self.max_drafts, 0, -1)
-        pairing = self._pairing(bucket)
-        if pairing is not None:  # the second step of a pair: without drafts, right after it
+        if self._pair_due(bucket):  # the second step of a pair: without drafts, right after it
             return 0
         unpaired = [length for length in lengths if len(self.ratios.get((bucket, length), ())) < MIN_PAIRS]
         if unpaired:
@@ -73,21 +74,22 @@ class DraftLengthChooser:
         """r(B, L): a step drafting `length` against one without drafts, at this batch-size bucket."""
         return statistics.median(self.ratios[(bucket, length)]) if length else 1.0
 
-    def _pairing(self, bucket: int) -> int | None:
-        """The length of the previous step when it drafted, in this bucket, and still needs its
-        step without drafts (an unpaired length, an exploring one, or the chosen one, due again)."""
+    def _pair_due(self, bucket: int) -> bool:
+        """Whether the previous step drafted, in this bucket, and still needs its step without
+        drafts (an unpaired length, an exploring one, or the chosen one, due again)."""
         if self.previous is None:
-            return None
-        previous_bucket, length, _ = self.previous
+            return False
+        previous_bucket, length, _, _ = self.previous
         if previous_bucket != bucket or length == 0:
-            return None
+            return False
         key = (bucket, length)
-        due = len(self.ratios.get(key, ())) < MIN_PAIRS or self.paired_at[key] < self.steps[bucket] - EXPLORE_EVERY
-        return length if due else None
+        return len(self.ratios.get(key, ())) < MIN_PAIRS or self.paired_at[key] < self.steps[bucket] - EXPLORE_EVERY
 
-    def record(self, batch_size: int, length: int, seconds: float, verified: list[tuple[int, int]]) -> None:
-        """A decode step (no prompt chunk in it) that drafted up to `length` tokens per sequence;
-        `verified`: each sequence's (drafts verified, drafts accepted)."""
+    def record(self, batch_size: int, length: int, started_at: float, seconds: float,
+               verified: list[tuple[int, int]]) -> None:
+        """A decode step (no prompt chunk in it) that drafted up to `length` tokens per sequence,
+        started at `started_at` (a monotonic clock) and took `seconds`; `verified`: each sequence's
+        (drafts verified, drafts accepted)."""
         bucket = batch_bucket(batch_size)
         for i in range(1, self.max_drafts + 1):
             self.drafted[i] *= 1 - ACCEPTANCE_DECAY
@@ -98,11 +100,12 @@ class DraftLengthChooser:
                 self.accepted[i] += i <= num_accepted
         self.steps[bucket] = self.steps.get(bucket, 0) + 1
         if self.previous is not None:
-            previous_bucket, previous_length, previous_seconds = self.previous
-            if previous_bucket == bucket and (previous_length == 0) != (length == 0):  # one drafted, one did not
+            previous_bucket, previous_length, previous_seconds, previous_end = self.previous
+            adjacent = started_at - previous_end <= MAX_PAIR_GAP
+            if adjacent and previous_bucket == bucket and (previous_length == 0) != (length == 0):  # one drafted, one not
                 drafting, with_drafts, without = ((length, seconds, previous_seconds) if length
                                                   else (previous_length, previous_seconds, seconds))
                 key = (bucket, drafting)
                 self.ratios[key] = (self.ratios.get(key, []) + [with_drafts / max(without, 1e-9)])[-RATIO_SAMPLES:]
                 self.paired_at[key] = self.steps[bucket]
-        self.previous = (bucket, length, seconds)
+        self.previous = (bucket, length, seconds, started_at + seconds)

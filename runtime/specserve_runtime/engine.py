@@ -186,7 +186,7 @@ class Engine:
                 steps[id(sequence)] = self._verified(sequence, drafts, out)
         if length is not None and len(work) == len(decoding) == len(batch):  # a decode step, no prompt chunk in it
             verified = [(steps[id(s)].num_draft_tokens, steps[id(s)].num_accepted) for s in decoding]
-            self.chooser.record(len(decoding), length, time.perf_counter() - started, verified)
+            self.chooser.record(len(decoding), length, started, time.perf_counter() - started, verified)
         return [steps.get(id(sequence)) for sequence in batch]
 
     def stream(self, request: Request, stats: Result | None = None) -> Iterator[Step]:

@@ -3,7 +3,7 @@ measured cost of drafting at each batch size, and only the speed changes, never 
 
 import pytest
 
-from specserve_runtime.adaptive import EXPLORE_EVERY, MIN_PAIRS, DraftLengthChooser, batch_bucket
+from specserve_runtime.adaptive import EXPLORE_EVERY, MAX_PAIR_GAP, MIN_PAIRS, DraftLengthChooser, batch_bucket
 from specserve_runtime.engine import Request
 
 from .test_batching import build, requests, run_batched
@@ -16,11 +16,13 @@ def test_batch_sizes_share_a_measurement_within_a_power_of_two():
 def run(chooser, batch_size, steps, step_seconds, accepted, speed=lambda step: 1.0):
     """Drive the chooser: a step drafting L costs step_seconds[L] / speed(step) (the machine's speed
     drifting), and each of batch_size sequences has its first accepted[L] drafts accepted."""
-    chosen = []
+    chosen, clock = [], 0.0
     for step in range(steps):
         length = chooser.choose(batch_size)
         chosen.append(length)
-        chooser.record(batch_size, length, step_seconds[length] / speed(step), [(length, accepted[length])] * batch_size)
+        seconds = step_seconds[length] / speed(step)
+        chooser.record(batch_size, length, clock, seconds, [(length, accepted[length])] * batch_size)
+        clock += seconds
     return chosen
 
 
@@ -40,11 +42,12 @@ def test_plain_decoding_wins_when_drafting_does_not_pay():
     chooser = DraftLengthChooser(max_drafts=2)
     # a loaded batch: drafting doubles the step, and only the first draft is accepted half the time
     seconds = {0: 1.0, 1: 1.9, 2: 2.2}
-    chosen = []
+    chosen, clock = [], 0.0
     for step in range(40):
         length = chooser.choose(8)
         chosen.append(length)
-        chooser.record(8, length, seconds[length], [(length, min(length, step % 2))] * 8)
+        chooser.record(8, length, clock, seconds[length], [(length, min(length, step % 2))] * 8)
+        clock += seconds[length]
     assert chosen[4 * MIN_PAIRS:EXPLORE_EVERY - 1] == [0] * (EXPLORE_EVERY - 1 - 4 * MIN_PAIRS)
     assert chooser.choose(1) == 2  # another batch size is measured on its own
 
@@ -68,6 +71,17 @@ def test_a_length_that_became_cheaper_is_found_again_by_exploring():
     chosen = run(chooser, 1, 3 * EXPLORE_EVERY, {0: 1.0, 1: 1.2}, {0: 0, 1: 1})  # now 1.2x for 2 tokens
     assert 1 in chosen[:EXPLORE_EVERY]  # explored within one period
     assert chosen[-EXPLORE_EVERY:].count(1) > EXPLORE_EVERY - 3  # and then kept (a re-pairing step at 0 aside)
+
+
+def test_steps_apart_in_time_are_not_paired():
+    """An idle server between a step with drafts and one without: the machine's speed may have
+    changed in between, so their ratio is not a cost."""
+    chooser = DraftLengthChooser(max_drafts=1)
+    chooser.record(1, 1, started_at=0.0, seconds=2.0, verified=[(1, 1)])
+    chooser.record(1, 0, started_at=2.0 + MAX_PAIR_GAP + 0.5, seconds=1.0, verified=[])
+    assert chooser.ratios == {}
+    chooser.record(1, 1, started_at=3.5 + MAX_PAIR_GAP + 0.1, seconds=1.5, verified=[(1, 0)])
+    assert chooser.ratios == {(1, 1): [1.5]}  # adjacent: 1.5 s drafting against the 1.0 s step just before
 
 
 def test_a_proposer_that_does_not_draft_cannot_adapt():

@@ -160,9 +160,8 @@ class Eagle3Proposer:
         """Drafts for many sequences ((its proposer, its committed tokens, most drafts) each): one
         drafter forward per draft position for all the sequences still drafting."""
         drafts: list[list[int]] = [[] for _ in work]
-        drafting = [(i, proposer, tokens, min(proposer.num_speculative_tokens, max_drafts))
-                    for i, (proposer, tokens, max_drafts) in enumerate(work) if proposer.pending]
-        drafting = [entry for entry in drafting if entry[3] > 0]
+        drafting = [(i, proposer, tokens, limit) for i, (proposer, tokens, max_drafts) in enumerate(work)
+                    if proposer.pending and (limit := min(proposer.num_speculative_tokens, max_drafts)) > 0]
         if not drafting:
             return drafts
         # First pass: each sequence's features committed since its last step. Positions past
