@@ -237,3 +237,17 @@ def test_training_with_logit_targets_runs_end_to_end(tiny_llama, tmp_path, metho
     summary = training.train(config, tiny_llama, 95, log=lambda message: None)
     assert [h["step"] for h in summary["history"]] == [2, 4] and all(h["loss"] > 0 for h in summary["history"])
     assert (tmp_path / "data" / "taps-1-2-3-5" / "shard-00000.safetensors").exists()  # the last layer tapped too
+
+
+def test_a_data_curve_point_trains_on_the_first_shards_only(tiny_llama, tmp_path):
+    from specserve_runtime.training import train as training
+
+    data = tmp_path / "data"
+    write_distilled(data, [list(range(30))])
+    (data / "shard-00001.jsonl").write_text(json.dumps({"prompt_ids": [1, 2], "response_ids": [3] * 20}) + "\n")
+    settings = dict(method="eagle3", data=str(data), eval_data=str(data), steps=1, depth=1, draft_vocab_size=48, eval_sequences=1)
+    training.train(training.TrainConfig(out=str(tmp_path / "one"), shards=1, **settings), tiny_llama, 95, log=lambda m: None)
+    assert (data / "taps-1-2-3" / "shard-00000.safetensors").exists()
+    assert not (data / "taps-1-2-3" / "shard-00001.safetensors").exists()  # never read, never computed
+    with pytest.raises(ValueError, match=r"--shards 3: .* has only 2 shards"):
+        training.train(training.TrainConfig(out=str(tmp_path / "three"), shards=3, **settings), tiny_llama, 95, log=lambda m: None)

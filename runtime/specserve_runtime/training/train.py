@@ -46,6 +46,7 @@ class TrainConfig:
     checkpoint_every: int = 250
     targets: str = "argmax"  # argmax: the data token; logits: the target's distribution (forward KL)
     init: str = "random"  # dflash: random, or target (draft layers start as the target's top layers)
+    shards: int = 0  # train on the first N data shards (a hash-ordered prompt set: a sample of the mix); 0: all
 
     def __post_init__(self):
         if self.method not in ("dflash", "eagle3"):
@@ -55,8 +56,10 @@ class TrainConfig:
         if self.init not in ("random", "target") or (self.init == "target" and self.method != "dflash"):
             raise ValueError(f"--init must be random, or target for dflash (EAGLE-3's layer reads [embedding ; "
                              f"features], twice the target's width), got {self.init!r} for {self.method}")
-        if self.block_size < 2 or self.steps < 1 or self.depth < 1 or self.anchors < 1 or self.draft_vocab_size < 0:
-            raise ValueError("--block-size >= 2, --steps, --depth and --anchors >= 1, --draft-vocab-size >= 0 are required")
+        if (self.block_size < 2 or self.steps < 1 or self.depth < 1 or self.anchors < 1 or self.draft_vocab_size < 0
+                or self.shards < 0):
+            raise ValueError("--block-size >= 2, --steps, --depth and --anchors >= 1, --draft-vocab-size and --shards >= 0 "
+                             "are required")
 
 
 class TargetFeatures:
@@ -208,6 +211,9 @@ def train(cfg: TrainConfig, target: Transformer, mask_token_id: int, log=print) 
     layers = tap_layers(cfg, target)
     vocab_size = target.config.vocab_size
     shards, eval_shards = read_shards(cfg.data, vocab_size), read_shards(cfg.eval_data, vocab_size)
+    if cfg.shards > len(shards):
+        raise ValueError(f"--shards {cfg.shards}: {cfg.data} has only {len(shards)} shards")
+    shards = shards[: cfg.shards or None]
     data = [record for _, records in shards for record in records]
     eval_shards = _first_sequences(eval_shards, cfg.eval_sequences)
     eval_data = [record for _, records in eval_shards for record in records][: cfg.eval_sequences]
