@@ -251,3 +251,11 @@ def test_a_data_curve_point_trains_on_the_first_shards_only(tiny_llama, tmp_path
     assert not (data / "taps-1-2-3" / "shard-00001.safetensors").exists()  # never read, never computed
     with pytest.raises(ValueError, match=r"--shards 3: .* has only 2 shards"):
         training.train(training.TrainConfig(out=str(tmp_path / "three"), shards=3, **settings), tiny_llama, 95, log=lambda m: None)
+
+
+def test_the_loss_decay_follows_the_block_size_unless_given():
+    from specserve_runtime.training.train import TrainConfig
+
+    config = lambda **flags: TrainConfig(method="dflash", data="d", eval_data="e", out="o", **flags)  # noqa: E731
+    assert [config(block_size=b).decay_gamma for b in (4, 8, 10, 16)] == [2.0, 4.0, 5.0, 7.0]
+    assert config(block_size=16, gamma=3.0).decay_gamma == 3.0
