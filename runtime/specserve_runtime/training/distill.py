@@ -47,6 +47,10 @@ def distill(
     folder = resolve_model(model)
     tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
     target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    # Left padding leaves denormal floats in the padded rows, and x86 computes on denormals about
+    # a hundred times slower: measured here, a batch of 32 took 8 s per token instead of 0.34 s.
+    # Flushing them to zero changes nothing above 1e-38.
+    torch.set_flush_denormal(True)
     eos = tokenizer.eos_token_id
     settings = {"model": str(model), "vocab_size": len(tokenizer), "prompts_sha256": _sha256(Path(prompts_file).read_bytes()),
                 "split": split, "max_new_tokens": max_new_tokens}
