@@ -10,7 +10,8 @@ STAMP := $(VENV)/.specserve-installed
 $(STAMP): pyproject.toml tests/requirements-speculators.txt
 	test -x $(BIN)/python || python3 -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[cpu,operator,demo,test]'
+	# llamacpp: the bench's llama.cpp baseline; llama-cpp-python builds from source once (~15 min on 2 cores), then from pip's cache.
+	$(BIN)/pip install --quiet -e '.[cpu,operator,demo,test,llamacpp]'
 	$(BIN)/pip install --quiet --no-deps speculators==0.9.0
 	$(BIN)/pip install --quiet -r tests/requirements-speculators.txt
 	# checkov pins packaging<24, which pytest refuses: it scans from a virtual environment of its own.

@@ -246,17 +246,21 @@ def cmd_launch(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from .bench import (batched_drafting_ms, closed_loop, closed_loop_table, decode_floor, method_spec, performance_block,
-                        run_bench, scenario_method, summarize, table)
+    from .bench import (batched_drafting_ms, closed_loop, closed_loop_table, decode_floor, machine, method_spec,
+                        parse_baselines, performance_block, run_bench, scenario_method, summarize, table)
     from .loader import load_model
     from .training.prompts import PROMPTS_FILE
 
     methods = [m for m in args.methods.split(",") if m]
-    baselines = [b for b in (args.baselines or "").split(",") if b]
     unknown = [m for m in methods if method_spec(m)[0] not in METHODS]
-    unknown += [b for b in baselines if b not in ("hf", "prompt-lookup")]
     if unknown:
-        raise UsageError(f"unknown method or baseline: {', '.join(unknown)} (methods {', '.join(METHODS)}; baselines hf, prompt-lookup)")
+        raise UsageError(f"unknown method: {', '.join(unknown)} (methods {', '.join(METHODS)})")
+    try:
+        baselines = parse_baselines(args.baselines)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if any(baseline.backend == "llamacpp" for baseline in baselines):  # refused before the run, not after minutes of it
+        check_llamacpp_baselines(args.model)
     if args.repeats < 1 or args.max_new_tokens < 1:
         raise UsageError("--repeats and --max-new-tokens must be >= 1")
     if args.emit_performance:  # refused before the run, not after minutes of it
@@ -290,11 +294,10 @@ def cmd_bench(args) -> None:
         return
     if args.url:
         raise UsageError("--url benches a running server under load: it needs --concurrency")
-    baselines = ["greedy" if b == "hf" else b for b in baselines]
     model = load_model(args.model)
     stats = run_bench(model, methods, baselines, prompts[: args.limit], args.max_new_tokens, args.repeats,
                       args.temperature, log=lambda message: print(message, file=sys.stderr, flush=True))
-    summary = summarize(stats)
+    summary = summarize(stats, machine())
     if args.kernels:
         summary["kernels"] = decode_floor(model)
         summary["kernels"]["decode_step_ms_by_sequences"] = {
@@ -318,6 +321,17 @@ def cmd_bench(args) -> None:
         write_performance(performance_block(summary), Path(args.emit_performance))
     if args.json:
         print(json.dumps(summary))
+
+
+def check_llamacpp_baselines(model: str) -> None:
+    """llama.cpp runs the default target's GGUF files, and needs llama-cpp-python installed."""
+    from .llamacpp import llama_cpp_missing
+    from .store import MODEL_ALIASES
+
+    if model not in MODEL_ALIASES:
+        raise UsageError(f"the llama.cpp baselines run the default model's GGUF files only, not --model {model}")
+    if (why := llama_cpp_missing()) is not None:
+        raise UsageError(why)
 
 
 def bench_server(args, methods: list[str], prompts: list[str]) -> None:
@@ -425,7 +439,9 @@ def build_parser() -> Parser:
     bench = commands.add_parser("bench", help="methods side by side: acceptance, tokens/s, speed-up, losslessness")
     bench.add_argument("--methods", default="ar,ngram,eagle3,dflash",
                        help="comma list; METHOD:K drafts K tokens per step (e.g. dflash:3), else the drafter's default")
-    bench.add_argument("--baselines", help="comma list: hf (transformers generate), prompt-lookup (its assisted mode)")
+    bench.add_argument("--baselines", help="comma list: hf (transformers generate), prompt-lookup (its assisted mode), "
+                       "llamacpp-q4_1 and llamacpp-q8_0 (llama.cpp on the GGUF weights; pip install "
+                       "'specserve[llamacpp]'), each with -lookup for llama.cpp's prompt lookup; llamacpp: all four")
     bench.add_argument("--model", default=DEFAULT_MODEL)
     bench.add_argument("--prompts-file", help='JSONL with a "prompt" field (default: the held-out split)')
     bench.add_argument("--per-category", type=int, default=4, help="held-out prompts per category (default set)")
