@@ -105,6 +105,18 @@ def machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads()}
 
 
+def held_out_sample(records: list[dict], per_category: int) -> list[dict]:
+    """A prompt set's held-out split (when its records name splits), the first `per_category` prompts
+    of each category in the file's order (when they name categories), else every prompt."""
+    if any("split" in record for record in records):
+        records = [record for record in records if record.get("split") == "eval"]
+    if not any("category" in record for record in records):
+        return records
+    categories = dict.fromkeys(record.get("category", "other") for record in records)
+    return [record for category in categories
+            for record in [r for r in records if r.get("category", "other") == category][:per_category]]
+
+
 def _median_run(run, repeats: int):
     results = [run() for _ in range(repeats)]
     return sorted(results, key=lambda r: r[1])[len(results) // 2]

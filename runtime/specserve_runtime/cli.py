@@ -21,12 +21,15 @@ class Parser(argparse.ArgumentParser):
 
 
 def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
-    if prompt is not None:
-        return [prompt]
+    return [prompt] if prompt is not None else [record["prompt"] for record in read_prompt_records(prompts_file)]
+
+
+def read_prompt_records(prompts_file: str) -> list[dict]:
+    """A JSONL prompt file's objects, each with a string "prompt" (and whatever else it carries)."""
     path = Path(prompts_file)
     if not path.is_file():
         raise UsageError(f"--prompts-file {path}: no such file")
-    prompts = []
+    records = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
@@ -36,10 +39,10 @@ def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
             raise UsageError(f"{path}:{number}: invalid JSON ({exc.msg})") from exc
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
             raise UsageError(f'{path}:{number}: expected an object with a string "prompt" field')
-        prompts.append(record["prompt"])
-    if not prompts:
+        records.append(record)
+    if not records:
         raise UsageError(f"{path}: no prompts")
-    return prompts
+    return records
 
 
 def speculative_tokens(args) -> int | None:
@@ -246,8 +249,8 @@ def cmd_launch(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from .bench import (batched_drafting_ms, closed_loop, closed_loop_table, decode_floor, machine, method_spec,
-                        parse_baselines, performance_block, run_bench, scenario_method, summarize, table)
+    from .bench import (batched_drafting_ms, closed_loop, closed_loop_table, decode_floor, held_out_sample, machine,
+                        method_spec, parse_baselines, performance_block, run_bench, scenario_method, summarize, table)
     from .loader import load_model
     from .training.prompts import PROMPTS_FILE
 
@@ -269,14 +272,11 @@ def cmd_bench(args) -> None:
             raise UsageError(f"--emit-performance writes one row per method: --methods {args.methods} has two variants of one")
         if not Path(args.emit_performance).parent.is_dir():
             raise UsageError(f"--emit-performance {args.emit_performance}: no such directory")
-    if args.prompts_file:
-        prompts = [{"prompt": p} for p in read_prompts(None, args.prompts_file)]
-    else:  # the project's held-out evaluation split, a few prompts of each kind
-        from .training.prompts import read_prompts as read_prompt_set
-
-        prompts = []
-        for category in ("math", "code", "explain", "chat"):
-            prompts += read_prompt_set(PROMPTS_FILE, split="eval", category=category)[: args.per_category]
+    if args.per_category < 1:
+        raise UsageError("--per-category must be >= 1")
+    # A prompt set (the project's, or v2 from build-prompts): its held-out split, a few of each category.
+    records = read_prompt_records(args.prompts_file or str(PROMPTS_FILE))
+    prompts = held_out_sample(records, args.per_category)
     if args.concurrency:
         bench_server(args, methods, [record["prompt"] for record in prompts[: args.limit]])
         return
@@ -443,8 +443,9 @@ def build_parser() -> Parser:
                        "llamacpp-q4_1 and llamacpp-q8_0 (llama.cpp on the GGUF weights; pip install "
                        "'specserve[llamacpp]'), each with -lookup for llama.cpp's prompt lookup; llamacpp: all four")
     bench.add_argument("--model", default=DEFAULT_MODEL)
-    bench.add_argument("--prompts-file", help='JSONL with a "prompt" field (default: the held-out split)')
-    bench.add_argument("--per-category", type=int, default=4, help="held-out prompts per category (default set)")
+    bench.add_argument("--prompts-file", help='JSONL with a "prompt" field (default: the project\'s prompt set v1); '
+                       'with "split", its eval split; with "category", --per-category of each')
+    bench.add_argument("--per-category", type=int, default=4, help="held-out prompts per category (default 4)")
     bench.add_argument("--limit", type=int)
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--repeats", type=int, default=1)

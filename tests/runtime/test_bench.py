@@ -235,3 +235,29 @@ def test_the_closed_loop_interleaves_plain_fixed_and_adaptive_and_replaces_finis
     assert set(results["ngram:2 adaptive"]["lengths"]) <= {0, 1, 2} and sum(results["ngram:2 adaptive"]["lengths"].values()) > 0
     table = closed_loop_table(results)
     assert "| ngram:2 adaptive" in table and "1.00x" in table  # ar against itself
+
+
+def test_a_prompt_set_is_sampled_from_its_held_out_split_a_few_of_each_category():
+    from specserve_runtime.bench import held_out_sample
+
+    records = [{"prompt": f"p{i}", "category": ["chat", "code", "math"][i % 3], "split": "eval" if i % 2 else "train"}
+               for i in range(20)]
+    sample = held_out_sample(records, per_category=2)
+    assert [r["prompt"] for r in sample] == ["p1", "p7", "p3", "p9", "p5", "p11"]  # code, chat, math: file order
+    assert all(r["split"] == "eval" for r in sample)
+    plain = [{"prompt": "a"}, {"prompt": "b"}, {"prompt": "c"}]
+    assert held_out_sample(plain, per_category=1) == plain  # a plain prompt file is used whole
+
+
+def test_bench_reads_a_v2_style_prompt_set_per_category(tmp_path, capsys):
+    from specserve_runtime.cli import main
+
+    path = tmp_path / "set.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Say the word {w}.", "category": c, "split": s}) + "\n"
+                            for w, c, s in [("red", "chat", "eval"), ("blue", "math", "train"), ("green", "math", "eval"),
+                                            ("gray", "math", "eval")]))
+    assert main(["bench", "--methods", "ar", "--prompts-file", str(path), "--per-category", "1", "--max-new-tokens", "2",
+                 "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["methods"]["ar"]["acceptance_length_by_category"].keys() == {"chat", "math"}
+    assert summary["methods"]["ar"]["tokens"] <= 4  # two prompts: red and green
