@@ -91,7 +91,7 @@ def test_distillation_resumes_and_refuses_a_truncated_shard_or_other_settings(tm
     shards = sorted(out.glob("shard-*.jsonl"))
     assert [p.name for p in shards] == ["shard-00000.jsonl", "shard-00001.jsonl"]
     written = {p: p.read_bytes() for p in shards}
-    records = distilling.read_sequences(out, vocab_size=49152)
+    records = [r for _, shard in distilling.read_shards(out, vocab_size=49152) for r in shard]
     assert len(records) == 3 and all(1 <= len(r["response_ids"]) <= 3 for r in records)
     manifest = json.loads((out / "distill.json").read_text())
     assert manifest["response_tokens"] == sum(len(r["response_ids"]) for r in records)
@@ -102,14 +102,14 @@ def test_distillation_resumes_and_refuses_a_truncated_shard_or_other_settings(tm
     with pytest.raises(ValueError, match=r"distill\.json was written with other settings \(max_new_tokens 3 -> 5\)"):
         run(max_new_tokens=5)
     with pytest.raises(ValueError, match="vocabulary, but the target has 96"):
-        distilling.read_sequences(out, vocab_size=96)
+        distilling.read_shards(out, vocab_size=96)
 
     truncated = shards[1].read_bytes()[:-10]
     shards[1].write_bytes(truncated)
     with pytest.raises(ValueError, match=r"shard-00001\.jsonl does not match the hash in distill\.json"):
         run()
     with pytest.raises(ValueError, match=r"shard-00001\.jsonl does not match the hash"):
-        distilling.read_sequences(out)
+        distilling.read_shards(out)
     assert shards[1].read_bytes() == truncated and shards[0].read_bytes() == written[shards[0]]  # nothing touched
 
 
@@ -118,9 +118,9 @@ def test_shards_of_unknown_origin_are_refused_with_the_file_and_line_named(tmp_p
     folder.mkdir()
     (folder / "shard-00000.jsonl").write_text(json.dumps({"prompt_ids": [1], "response_ids": [2, 99]}) + "\n{oops\n")
     with pytest.raises(ValueError, match=r"shard-00000\.jsonl:2: not a distilled record"):
-        distilling.read_sequences(folder)
+        distilling.read_shards(folder)
     with pytest.raises(ValueError, match=r"shard-00000\.jsonl:1: token ids outside the target's vocabulary of 96"):
-        distilling.read_sequences(folder, vocab_size=96)
+        distilling.read_shards(folder, vocab_size=96)
     with pytest.raises(ValueError, match="shards without a distill.json"):
         distilling._open_manifest(folder, {"model": "m"})
 

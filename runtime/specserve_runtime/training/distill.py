@@ -69,7 +69,7 @@ def distill(
         path = out_dir / f"shard-{number:05d}.jsonl"
         if path.exists():
             continue
-        lines = []
+        lines, shard_tokens = [], 0
         # Similar lengths in one batch waste less compute on padding.
         ordered = sorted(shard, key=lambda r: len(r["prompt"]))
         for start in range(0, len(ordered), batch_size):
@@ -89,6 +89,7 @@ def distill(
                 if eos in response:  # keep the EOS token: the drafter should learn to predict it too
                     response = response[: response.index(eos) + 1]
                 generated += len(response)
+                shard_tokens += len(response)
                 lines.append(json.dumps({**record, "prompt_ids": prompt_ids, "response_ids": response}))
             progress.update(len(batch))
             progress.set_postfix(tokens_per_s=f"{generated / (time.perf_counter() - started):.0f}",
@@ -96,7 +97,7 @@ def distill(
         text = "\n".join(lines) + "\n"
         _write_atomically(path, text)  # a shard is complete or absent
         manifest["shards"][path.name] = {"records": len(lines), "sha256": _sha256(text.encode())}
-        manifest["response_tokens"] = manifest.get("response_tokens", 0) + sum(len(json.loads(x)["response_ids"]) for x in lines)
+        manifest["response_tokens"] = manifest.get("response_tokens", 0) + shard_tokens
         _write_atomically(out_dir / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     progress.close()
     if generated:
@@ -146,11 +147,6 @@ def _check_shard(path: Path, manifest: dict, planned: int) -> None:
     if recorded["records"] != planned:
         raise ValueError(f"{path} holds {recorded['records']} prompts where this run plans {planned} "
                          "(an earlier --limit?): move it away to regenerate it")
-
-
-def read_sequences(data_dir: str | Path, vocab_size: int | None = None) -> list[dict]:
-    """All distilled records of a data folder, in shard order (see read_shards)."""
-    return [record for _, records in read_shards(data_dir, vocab_size) for record in records]
 
 
 def read_shards(data_dir: str | Path, vocab_size: int | None = None) -> list[tuple[Path, list[dict]]]:
