@@ -329,13 +329,15 @@ class Recommendation(Model):
 
 
 class CapacityObservation(Model):
-    """One measured window of one revision: the load and the p99s the capacity model is fitted to."""
+    """One measured window of one revision: the load, the p99s and the mean time per token the capacity model is fitted to."""
 
     revision: str
     at: str
     in_flight_per_replica: float
     p99_inter_token_latency_ms: float
     p99_time_to_first_token_ms: float | None = None
+    ms_per_token: float | None = Field(
+        None, description="mean time a request spends in the system per generated token (Little's law on the window)")
 
 
 class DemandPoint(Model):

@@ -8,12 +8,12 @@ Demand is the measured arrival of work, not the requests in flight: requests fin
 (fewer replicas decode each request more slowly, so more of them are in flight at once), so they
 are what the model predicts, not what it takes as given. For each count n within the bounds, a
 replica receives rate = demand x HEADROOM / n requests per second, and by Little's law holds
-    c = rate x (TTFT(c) + (tokens per request - 1) x ITL(c))
-requests in flight, with TTFT and ITL the capacity model's fitted lines in c (capacity.py):
-T(c) = A + B c seconds per request. With utilisation u = rate x B, the fluid solution is
-rate x A / (1 - u); Poisson arrivals add the processor-sharing queue's u / (1 - u) (exact for a
-fixed-throughput replica, A = 0), so c = (rate x A + u) / (1 - u). A count whose replicas would
-run past UTILISATION_LIMIT does not qualify: near saturation the queue is too sensitive to trust. The capacity model's p99 predictions at that c (with their confidence
+    c = rate x T(c),    T(c) = tokens per request x (s0 + s1 c) = A + B c seconds
+requests in flight, with s the capacity model's mean time in the system per generated token
+(capacity.py), fitted to windows that measured it at their own loads, so it already carries
+their queueing. With utilisation u = rate x B the solution is c = rate x A / (1 - u). A count
+whose replicas would run past UTILISATION_LIMIT does not qualify: near saturation the queue is
+too sensitive to trust. The capacity model's p99 predictions at that c (with their confidence
 margins) must meet the SLO. During a canary the autoscaler sizes the total and the rollout's
 weight splits it (render.split_replicas): one writer of replicas; both revisions see the same
 per-replica rate, so the worse of their two models decides.
@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from . import api
-from .capacity import OBSERVATIONS, Capacity, Line, Point, fit
+from .capacity import OBSERVATIONS, Capacity, Point, fit
 from .measure import Window
 from .rollout import parse_time, timestamp
 
@@ -148,15 +148,14 @@ def planned(demand: Demand, history: Sequence[tuple[float, float]], ahead: float
 
 
 def in_flight(capacity: Capacity, rate: float, tokens_per_request: float) -> float | None:
-    """Requests in flight per replica at `rate` requests/s (Little's law on the fitted lines), or
-    None past UTILISATION_LIMIT."""
-    ttft = capacity.ttft or Line(0.0, 0.0, 0.0)
-    fixed = (ttft.intercept + (tokens_per_request - 1) * capacity.itl.intercept) / 1000  # A: seconds per request
-    per_request = (ttft.slope + (tokens_per_request - 1) * capacity.itl.slope) / 1000  # B: ... per request in flight
+    """Requests in flight per replica at `rate` requests/s (Little's law on the fitted mean time
+    per token), or None past UTILISATION_LIMIT."""
+    fixed = tokens_per_request * capacity.service.intercept / 1000  # A: seconds per request
+    per_request = tokens_per_request * capacity.service.slope / 1000  # B: ... per request in flight
     utilisation = rate * per_request
     if utilisation >= UTILISATION_LIMIT:
         return None
-    return (rate * fixed + utilisation) / (1 - utilisation)
+    return rate * fixed / (1 - utilisation)
 
 
 def _predict(capacities: list[Capacity], demand: Demand, count: int) -> tuple[float, float | None] | None:
@@ -267,9 +266,17 @@ def decide(
 
 def prior_points(performance: list[dict] | None) -> list[Point]:
     """Capacity prior from a performance table: rows of {concurrency, tokensPerSecondPerRequest, ttftMs}
-    (a scenario's `performance.<method>.curve`; the operator's SPECSERVE_CAPACITY_PRIORS file)."""
-    return [Point(row["concurrency"], 1000.0 / row["tokensPerSecondPerRequest"], row.get("ttftMs"))
-            for row in performance or [] if row["tokensPerSecondPerRequest"] > 0]
+    (a scenario's `performance.<method>.curve`; the operator's SPECSERVE_CAPACITY_PRIORS file).
+    A row's concurrency counts the request itself; a request arriving at a replica finds the
+    time-averaged number in the system there (Poisson arrivals see time averages), so row k is the
+    point at k - 1 requests in flight. The row's mean time per token stands in for the p99 and for
+    the time in the system (the TTFT spread over the response is not known without its length)."""
+    points = []
+    for row in performance or []:
+        if row["tokensPerSecondPerRequest"] > 0:
+            ms_per_token = 1000.0 / row["tokensPerSecondPerRequest"]
+            points.append(Point(row["concurrency"] - 1, ms_per_token, row.get("ttftMs"), ms_per_token))
+    return points
 
 
 def tick(
@@ -298,14 +305,14 @@ def tick(
             observations.append(api.CapacityObservation(
                 revision=w.revision, at=at, in_flight_per_replica=w.in_flight_per_replica,
                 p99_inter_token_latency_ms=w.p99_inter_token_latency_ms,
-                p99_time_to_first_token_ms=w.p99_time_to_first_token_ms))
+                p99_time_to_first_token_ms=w.p99_time_to_first_token_ms, ms_per_token=w.ms_per_token))
     kept = []
     for revision in serving:
         kept += [o for o in observations if o.revision == revision][-OBSERVATIONS:]
     capacities = []
     for revision in sorted(set(deciding)):
-        measured = [Point(o.in_flight_per_replica, o.p99_inter_token_latency_ms, o.p99_time_to_first_token_ms)
-                    for o in kept if o.revision == revision]
+        measured = [Point(o.in_flight_per_replica, o.p99_inter_token_latency_ms, o.p99_time_to_first_token_ms,
+                          o.ms_per_token) for o in kept if o.revision == revision]
         model = fit(measured, priors.get(revision, ()))
         if model is not None:
             capacities.append(model)

@@ -1,16 +1,21 @@
-"""Capacity model: a revision's predicted p99 latencies as a function of its load. Pure.
+"""Capacity model: a revision's predicted latencies as a function of its load. Pure.
 
-Form. With c = requests in flight per ready replica,
+Form. With c = requests in flight per ready replica, three lines
     p99 inter-token latency (c) = itl0 + itl_slope * c      p99 time to first token (c) = ttft0 + ttft_slope * c
+    mean time in the system per generated token (c) = s0 + s1 * c
 fitted by least squares over the revision's recent measurement windows (the autoscaler keeps the
 last OBSERVATIONS in status, so a restart keeps the fit) together with a prior: points from a
 performance table (the operator's SPECSERVE_CAPACITY_PRIORS, a scenario's `performance` curves),
-each weighted as one window. When the points do not spread over load (all at one concurrency),
-the slope cannot be estimated and the model assumes the replica's token throughput is fixed
-(latency proportional to load, itl0 = 0): the conservative case of a one-sequence-at-a-time
-engine. Confidence: predictions are raised by 2 residual standard deviations and a relative
-margin of 0.1 + 0.4 / sqrt(1 + n) for n measured windows (0.5 with only the prior, 0.2 at 15
-windows), so decisions on little evidence keep more headroom.
+each weighted as one window. The p99 lines are what the SLO is checked against; the mean line is
+the service time with which the autoscaler predicts c from an arrival rate (Little's law needs a
+mean: sizing the queue on the p99 over-predicts c, and more so the busier the replica). When the
+points do not spread over load (all at one concurrency), the slope cannot be estimated and the
+model assumes the replica's token throughput is fixed: latencies proportional to load, and the
+mean time in the system proportional to c + 1 (the request and those it finds; Little's law then
+gives the processor-sharing queue's u / (1 - u)), the conservative case of a one-sequence-at-a-time
+engine. Confidence: the p99 predictions are raised by 2 residual standard deviations and a
+relative margin of 0.1 + 0.4 / sqrt(1 + n) for n measured windows (0.5 with only the prior, 0.2 at
+15 windows), so decisions on little evidence keep more headroom.
 """
 
 import math
@@ -26,6 +31,7 @@ class Point:
     in_flight_per_replica: float
     p99_inter_token_latency_ms: float
     p99_time_to_first_token_ms: float | None = None
+    ms_per_token: float | None = None  # mean time in the system per generated token (measure.Window.ms_per_token)
 
 
 @dataclass(frozen=True)
@@ -38,14 +44,15 @@ class Line:
         return self.intercept + self.slope * x
 
 
-def fit_line(xs: Sequence[float], ys: Sequence[float]) -> Line:
-    """Least squares; without spread in x, a line through the origin and the mean (fixed throughput)."""
+def fit_line(xs: Sequence[float], ys: Sequence[float], zero_at: float = 0.0) -> Line:
+    """Least squares; without spread in x, the fixed-throughput line through the mean that is 0 at
+    x = `zero_at`."""
     n = len(xs)
     mean_x, mean_y = sum(xs) / n, sum(ys) / n
     sxx = sum((x - mean_x) ** 2 for x in xs)
     if max(xs) - min(xs) < MIN_SPREAD or sxx == 0:
-        slope = mean_y / max(mean_x, 1e-9)
-        intercept = 0.0
+        slope = mean_y / max(mean_x - zero_at, 1e-9)
+        intercept = -slope * zero_at
     else:
         slope = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sxx)  # latency never falls with load
         intercept = mean_y - slope * mean_x
@@ -58,6 +65,7 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> Line:
 class Capacity:
     itl: Line
     ttft: Line | None
+    service: Line  # mean ms in the system per generated token: Little's law's service time, no margin
     measured: int  # windows behind the fit (the prior's points not counted)
 
     @property
@@ -83,4 +91,10 @@ def fit(measured: Sequence[Point], prior: Sequence[Point] = ()) -> Capacity | No
     ttft = None
     if with_ttft:
         ttft = fit_line([p.in_flight_per_replica for p in with_ttft], [p.p99_time_to_first_token_ms for p in with_ttft])
-    return Capacity(itl, ttft, len(measured))
+    timed = [p for p in points if p.ms_per_token is not None]
+    service = itl  # without a mean, the p99 stands in for it: more time per request, more in flight (conservative)
+    if timed:
+        # At fixed throughput a request's time in the system is the service of itself and the c it
+        # finds (processor sharing: T = (c + 1) / mu), so that line is 0 at c = -1, not at 0.
+        service = fit_line([p.in_flight_per_replica for p in timed], [p.ms_per_token for p in timed], zero_at=-1.0)
+    return Capacity(itl, ttft, service, len(measured))

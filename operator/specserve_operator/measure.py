@@ -88,6 +88,15 @@ class Window:
     tokens_per_dollar: float | None = None
     missing: str | None = None  # set: no data, and why
 
+    @property
+    def ms_per_token(self) -> float | None:
+        """Mean time a request spends in the system per token it generates (ms), by Little's law on
+        the window: requests in flight over the rate they generate tokens at. The service time the
+        autoscaler's queue model needs (a p99 is not a mean)."""
+        if self.in_flight_per_replica is None or not self.tokens_per_second:
+            return None
+        return 1000 * self.in_flight_per_replica * self.ready_replicas / self.tokens_per_second
+
     @classmethod
     def no_data(cls, target: Target, seconds: float, reason: str) -> "Window":
         return cls(revision=target.revision, seconds=seconds, ready_replicas=target.ready_replicas, missing=reason)

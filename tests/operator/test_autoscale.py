@@ -19,8 +19,9 @@ from specserve_operator.measure import Target, Window
 T0 = datetime.datetime(2026, 11, 23, 10, 0, 0, tzinfo=datetime.timezone.utc)
 SLO = api.Slo(p99InterTokenLatencyMs=40)
 NO_WAIT = api.Autoscaling(enabled=True, scaleUpStabilizationSeconds=0, scaleDownStabilizationSeconds=0)
-# A batching engine: 10 ms per token plus 1 ms per request in flight; 40 ms holds up to ~16 in flight with the margins
-LINEAR = [Point(c, 10.0 + 1.0 * c, 100.0 + 10.0 * c) for c in (1, 2, 4, 8, 16)]
+# A batching engine: 10 ms per token plus 1 ms per request in flight at the p99, 8 + 0.8 ms in the
+# mean; 40 ms holds up to ~16 in flight with the margins
+LINEAR = [Point(c, 10.0 + 1.0 * c, 100.0 + 10.0 * c, 8.0 + 0.8 * c) for c in (1, 2, 4, 8, 16)]
 TOKENS = 100  # generated tokens per request
 
 
@@ -41,15 +42,19 @@ def test_capacity_fits_a_line_and_widens_with_little_evidence():
     assert many.p99_inter_token_latency_ms(2) < model.p99_inter_token_latency_ms(2)
 
 
-def test_requests_in_flight_follow_littles_law_and_saturate():
-    """c = rate x T(c), T(c) = A + B c seconds (TTFT plus the other tokens' ITL), plus the
-    processor-sharing queue's u / (1 - u): checked against the fixed point directly."""
+def test_requests_in_flight_follow_littles_law_on_the_mean_and_saturate():
+    """c = rate x T(c), T(c) = tokens x mean time per token at c = A + B c seconds: checked against
+    the fixed point directly. The mean, not the p99: the p99 line would predict more in flight."""
     model = capacity()
-    a = (model.ttft.intercept + (TOKENS - 1) * model.itl.intercept) / 1000
-    b = (model.ttft.slope + (TOKENS - 1) * model.itl.slope) / 1000
+    assert (model.service.intercept, model.service.slope) == (pytest.approx(8.0), pytest.approx(0.8))
+    a, b = TOKENS * 8.0 / 1000, TOKENS * 0.8 / 1000
     for rate in (0.5, 2.0, 5.0):
-        c, u = in_flight(model, rate, TOKENS), rate * b
-        assert c - u / (1 - u) == pytest.approx(rate * (a + b * (c - u / (1 - u))))
+        c = in_flight(model, rate, TOKENS)
+        assert c == pytest.approx(rate * (a + b * c))
+    on_the_p99 = capacity([Point(p.in_flight_per_replica, p.p99_inter_token_latency_ms, None, p.p99_inter_token_latency_ms)
+                           for p in LINEAR])
+    assert in_flight(model, 5.0, TOKENS) == pytest.approx(4.0 / 0.6)  # rate x A / (1 - rate x B)
+    assert in_flight(on_the_p99, 5.0, TOKENS) == pytest.approx(5.0 / 0.5)  # half as many more on the p99
     assert in_flight(model, UTILISATION_LIMIT / b * 1.01, TOKENS) is None  # past the utilisation limit
     fewer_replicas = [in_flight(model, rate, TOKENS) for rate in (1.0, 2.0, 4.0)]
     assert fewer_replicas == sorted(fewer_replicas)  # more load per replica: more in flight, superlinearly
@@ -71,8 +76,12 @@ def test_demand_is_the_finished_requests_and_their_tokens_over_every_revision():
 
 
 def test_without_spread_the_model_assumes_fixed_throughput():
-    model = fit([Point(3, 30.0), Point(3, 30.0)])
+    model = fit([Point(3, 30.0, None, 20.0), Point(3, 30.0, None, 20.0)])
     assert model.itl.intercept == 0 and model.itl.slope == pytest.approx(10.0)  # latency proportional to load
+    # time in the system: the service of the request and the 3 it finds, so 5 ms per token each
+    assert (model.service.intercept, model.service.slope) == (pytest.approx(5.0), pytest.approx(5.0))
+    u = 0.5 * TOKENS * 5.0 / 1000  # 0.5 requests/s
+    assert in_flight(model, 0.5, TOKENS) == pytest.approx(u / (1 - u))  # the processor-sharing queue
 
 
 def test_latency_never_falls_with_load_in_the_model():
@@ -87,14 +96,14 @@ def predicted_itl(model, demand: float, count: int) -> float | None:
 
 def test_the_smallest_count_that_meets_the_slo_is_chosen():
     bounds = Limits(low=1, high=20, budget_cap=None, replica_hourly_usd=2.0)
-    decision = decide(3, rps(12.0), [capacity()], SLO, bounds, NO_WAIT, [], T0)
+    decision = decide(3, rps(24.0), [capacity()], SLO, bounds, NO_WAIT, [], T0)
     model = capacity()
     n = decision.replicas
-    assert n > 1 and predicted_itl(model, 12.0, n) <= 40
-    before = predicted_itl(model, 12.0, n - 1)
+    assert n > 3 and predicted_itl(model, 24.0, n) <= 40
+    before = predicted_itl(model, 24.0, n - 1)
     assert before is None or before > 40  # one fewer would break the SLO (or saturate)
     assert decision.recommended == n and "within the SLO" in decision.reason
-    assert "12.00 req/s x 100 tokens" in decision.reason
+    assert "24.00 req/s x 100 tokens" in decision.reason
 
 
 def test_the_budget_is_a_wall_and_says_so():
@@ -180,11 +189,13 @@ def test_tick_carries_everything_in_status():
     status = api.AutoscalingStatus()
     for index in range(OBSERVATIONS + 5):
         window = Window("abc", 30, 2, in_flight_per_replica=3.0, p99_inter_token_latency_ms=15.0,
-                        p99_time_to_first_token_ms=80.0, generated_tokens=9000, finished_requests=60)
+                        p99_time_to_first_token_ms=80.0, generated_tokens=9000, tokens_per_second=300,
+                        finished_requests=60)
         status, decision = tick(status, [window], ["abc"], prior, spec, profile, profile.slo, 2, False,
                                 T0 + datetime.timedelta(seconds=30 * index), startup_seconds=120)
         status = api.AutoscalingStatus.model_validate(status.model_dump(by_alias=True, mode="json"))  # as status stores it
     assert len(status.observations) == OBSERVATIONS  # bounded
+    assert status.observations[-1].ms_per_token == pytest.approx(20.0)  # 3 in flight x 2 replicas / 300 tokens/s
     assert status.desired_replicas == decision.replicas
     assert (status.demand_requests_per_second, status.demand_tokens_per_request) == (2.0, 150.0)
     missing = Window("abc", 30, 2, missing="prometheus outage")

@@ -161,7 +161,7 @@ def test_every_option_on_renders_valid_objects_the_operator_can_read(chart, tmp_
     # The priors ConfigMap is what the operator loads at start-up (SPECSERVE_CAPACITY_PRIORS).
     config_map = by_kind["ConfigMap"]
     (path := tmp_path / "capacity-priors.yaml").write_text(config_map["data"]["capacity-priors.yaml"])
-    assert [p.in_flight_per_replica for p in load_capacity_priors(path)["dflash"]] == [1, 16]
+    assert [p.in_flight_per_replica for p in load_capacity_priors(path)["dflash"]] == [0, 15]  # rows at concurrency 1 and 16
     pod = by_kind["Deployment"]["spec"]["template"]["spec"]
     container = pod["containers"][0]
     env = {e["name"]: e["value"] for e in container["env"]}

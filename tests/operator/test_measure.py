@@ -500,6 +500,7 @@ def test_prometheus_source_reads_each_number(canned):
     window = PrometheusSource(canned.url).measure(t, 60)
     assert window.missing is None
     assert (window.tokens_per_second, window.generated_tokens, window.seconds) == (100, 6000, 60)
+    assert window.ms_per_token == pytest.approx(1000 * 3.5 * 2 / 100)  # in the system per generated token
     assert window.p99_inter_token_latency_ms == pytest.approx(50)
     assert window.p99_time_to_first_token_ms is None
     assert window.acceptance_length == 2.5

@@ -250,25 +250,29 @@ async def test_the_autoscaler_sizes_the_serving_from_measurements(operator, serv
     and applies; status and Events carry the numbers; no data holds the count."""
     serving = copy.deepcopy(serving)
     serving["spec"]["replicas"] = {"min": 1, "max": 4}
-    serving["spec"]["autoscaling"] = {"enabled": True, "slo": {"p99InterTokenLatencyMs": 40},
+    serving["spec"]["autoscaling"] = {"enabled": True, "slo": {"p99InterTokenLatencyMs": 8},
                                       "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 0}
     await create(operator, profile)
     await create(operator, with_uid(serving))
     name = (await eventually(lambda: live(operator, DEPLOYMENTS)))[0]
     await set_ready(operator, name, 2)  # replicas.min is 1; 2 ready pods
-    # One window: 40 requests finished in 30 s (1.33/s, 225 tokens each), 4 in flight per replica at
-    # p99 ITL 20 ms, TTFT 150 ms. One window has no spread in load, so the model takes throughput as
-    # fixed: T(c) = (37.5 + 224 x 5) ms x c per request. With 20% headroom a replica of n gets 1.6/n
-    # requests/s: utilisation 1.85/n, past the 0.85 limit at n <= 2; at n = 3, c = u/(1-u) = 1.61 in
-    # flight, p99 ITL 5 ms x 1.61 x (1 + 0.38 margin) = 11.2 ms, within the 40 ms SLO.
-    source.by_revision[name.removeprefix("qwen3-8b-")] = {**STABLE, "in_flight_per_replica": 4.0, "p99_inter_token_latency_ms": 20.0}
+    # One window: 40 requests finished in 30 s (1.33/s, 225 tokens each), 500 tokens/s, 4 in flight
+    # per replica at p99 ITL 20 ms: 16 ms in the system per token (4 x 2 / 500). One window has no
+    # spread in load, so the model takes throughput as fixed: p99 ITL 5 ms x c, and the time in the
+    # system the service of c + 1 requests, T(c) = 225 x 3.2 ms x (c + 1). With 20% headroom a
+    # replica of n gets 1.6/n requests/s: utilisation u = 1.152/n, past the 0.85 limit at n = 1;
+    # c = u / (1 - u) in flight: 1.36 at n = 2, p99 ITL 5 ms x 1.36 x (1 + 0.38 margin) = 9.4 ms,
+    # over the 8 ms SLO; 0.62 at n = 3, 4.3 ms, within it.
+    source.by_revision[name.removeprefix("qwen3-8b-")] = {**STABLE, "tokens_per_second": 500.0, "in_flight_per_replica": 4.0,
+                                                          "p99_inter_token_latency_ms": 20.0}
     clock.advance(30)
     assert await eventually(lambda: (status_of(operator).get("autoscaling") or {}).get("desiredReplicas") == 3)
     assert await eventually(lambda: deployment(operator, name.removeprefix("qwen3-8b-"))["spec"]["replicas"] == 3)
     scaling = status_of(operator)["autoscaling"]
     assert scaling["demandRequestsPerSecond"] == pytest.approx(40 / 30) and scaling["demandTokensPerRequest"] == 225
-    assert "demand 1.33 req/s x 225 tokens (x1.2 headroom): 3 replicas predict p99 ITL 11.2ms" in scaling["reason"]
-    assert status_of(operator)["metrics"]["tokensPerSecond"] == 200.0
+    assert "demand 1.33 req/s x 225 tokens (x1.2 headroom): 3 replicas predict p99 ITL 4.3ms" in scaling["reason"]
+    assert scaling["observations"][-1]["msPerToken"] == pytest.approx(16.0)
+    assert status_of(operator)["metrics"]["tokensPerSecond"] == 500.0
     assert await eventually(lambda: any("1 -> 3 replicas" in m for m in events(operator, "Scaled")))
 
     source.outage = True

@@ -351,7 +351,8 @@ def test_the_operators_capacity_prior_file_is_a_performance_block(tmp_path):
     good = write(tmp_path, document("diurnal-dflash")["performance"], "priors.yaml")
     priors = scenario_module.load_capacity_priors(good)
     assert set(priors) == {"eagle3", "dflash"}
-    assert priors["dflash"][0] == scenario_module.Point(1, 1000 / 230, 50)  # concurrency, ms per token, TTFT
+    # a request at concurrency 1 finds no other in flight; ms per token (p99 and mean alike), TTFT
+    assert priors["dflash"][0] == scenario_module.Point(0, 1000 / 230, 50, 1000 / 230)
     bad = write(tmp_path, {"dflash": {"curve": [{"concurrency": 1, "tokensPerSecond": 5, "ttftMs": 1}]}}, "bad.yaml")
     with pytest.raises(scenario_module.ScenarioError) as caught:
         scenario_module.load_capacity_priors(bad)
