@@ -144,6 +144,11 @@ class Cluster:
         self._call("PATCH", path, body, content_type="application/merge-patch+json")
         return "patched"
 
+    def scale(self, api_version: str, kind: str, namespace: str, name: str, replicas: int) -> None:
+        """Set spec.replicas alone (a merge patch): for an object no longer rendered, whose spec is gone."""
+        path = self._path(api_version, kind, namespace, name)
+        self._call("PATCH", path, {"spec": {"replicas": replicas}}, content_type="application/merge-patch+json")
+
     def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:
         try:
             self._call("DELETE", self._path(api_version, kind, namespace, name), {"propagationPolicy": "Background"})

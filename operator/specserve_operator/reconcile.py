@@ -15,8 +15,8 @@ from . import api, autoscale
 from .analysis import Report, analyse
 from .apply import CHILD_KINDS, Cluster
 from .measure import MeasurementError, Pricing, ScrapeSource, Target, Window
-from .render import (Profile, Serving, Settings, Traffic, candidate_hash, planned_revisions, render_all, replica_budget,
-                     revision_hash, revisions)
+from .render import (Profile, Serving, Settings, Traffic, candidate_hash, planned_revisions, pods_to_keep, render_all,
+                     replica_budget, replica_ceiling, revision_hash, revisions)
 from .rollout import Decision, Event, analysis_due, decide, parse_time, timestamp
 from .validate import check_against_profile, parse_profile, parse_serving
 
@@ -27,7 +27,7 @@ REVISION_SCOPED = {("v1", "ConfigMap"), ("apps/v1", "Deployment")}
 class Outcome:
     status: dict
     problems: list[str] = field(default_factory=list)
-    applied: dict[str, str] = field(default_factory=dict)  # "Kind/name" -> created | patched | unchanged
+    applied: dict[str, str] = field(default_factory=dict)  # "Kind/name" -> created | patched | unchanged | scaled to N
     deleted: list[str] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     consumed_annotations: list[str] = field(default_factory=list)
@@ -288,8 +288,14 @@ def reconcile(cluster: Cluster, body: dict, settings: Settings, source, now: dat
     canary_ready = ready_replicas(deployments.get(f"{serving.name}-{candidate}")) if candidate else None
     stable_ready = ready_replicas(deployments.get(f"{serving.name}-{stable_hash}"))
     previous_pods = None
-    if decision.stage == "Promoted":  # the old stable's pods, until the promoted revision is ready
-        previous_pods = sum(spec_replicas(d) for name, d in deployments.items() if name != f"{serving.name}-{candidate}")
+    if decision.stage in ("Stable", "Promoted"):  # one revision: older ones' pods go as its pods become ready
+        replacing = f"{serving.name}-{candidate if decision.stage == 'Promoted' else stable_hash}"
+        older = {name: d for name, d in deployments.items() if name != replacing}
+        if older:
+            previous_pods = pods_to_keep(replica_budget(spec, profile.spec, scaling.replicas),
+                                         ready_replicas(deployments.get(replacing)),
+                                         sum(spec_replicas(d) for d in older.values()), replica_ceiling(spec, profile.spec))
+            scale_older(cluster, serving.namespace, older, previous_pods, outcome)
     traffic = Traffic(decision.stage, decision.weight, canary_ready=canary_ready, stable_ready=stable_ready,
                       drain_candidate=decision.drain_candidate, previous_pods=previous_pods)
     revs = planned_revisions(spec, profile.spec, scaling.replicas, traffic)
@@ -307,6 +313,18 @@ def reconcile(cluster: Cluster, body: dict, settings: Settings, source, now: dat
         if cluster.delete(api_version, kind, serving.namespace, name):
             outcome.deleted.append(f"{kind}/{name}")
     return outcome
+
+
+def scale_older(cluster: Cluster, namespace: str, older: dict[str, dict], keep: int, outcome: Outcome) -> None:
+    """Scale older revisions' Deployments down to `keep` pods in all, those with the most ready pods
+    kept first; never up. They are not rendered any more (their spec is gone), so only their
+    replica count is patched."""
+    for name, deployment in sorted(older.items(), key=lambda item: -ready_replicas(item[1])):
+        replicas = min(spec_replicas(deployment), keep)
+        keep -= replicas
+        if replicas < spec_replicas(deployment):
+            cluster.scale("apps/v1", "Deployment", namespace, name, replicas)
+            outcome.applied[f"Deployment/{name}"] = f"scaled to {replicas}"
 
 
 def children(cluster: Cluster, kind: tuple, name: str, namespace: str) -> list[dict]:

@@ -55,8 +55,9 @@ class Traffic:
     is the stable one). stable_backend: the revision `<name>-stable` routes to while a new stable
     revision is not ready yet (None: the stable revision itself). canary_ready, stable_ready: each
     revision's ready pods (None: not known), and drain_candidate: an aborted candidate keeps its
-    ready pods while the stable's replacements start (rollout.drains); previous_pods: the pods of
-    the revision a promotion replaces, until they go (None: none left); see planned_revisions.
+    ready pods while the stable's replacements start (rollout.drains); previous_pods: the pods that
+    older revisions keep while the one revision of a Stable or Promoted stage replaces them after
+    a spec update or a promotion (pods_to_keep; None: none left); see planned_revisions.
     """
 
     stage: Literal["Stable", "Canary", "Aborted", "Promoted"] = "Stable"
@@ -152,15 +153,15 @@ def planned_revisions(spec: api.SpeculativeServingSpec, profile: api.ServingProf
     its replacement is ready is capacity lost for a whole start-up. Two cases: the stable while the
     candidate's pods start, and a draining aborted candidate (ReplicaRatio only: a route sends an
     aborted candidate nothing) while the stable's start, never more than its ready pods. The surge
-    stays within replica_ceiling: the budget is a wall for it too. So while a promotion's previous
-    stable keeps its pods (they go once the promoted revision is ready), the promoted revision
-    gets what the ceiling leaves beside them: at promotion at least its canary pods; the rest
-    start once the previous pods are gone."""
+    stays within replica_ceiling: the budget is a wall for it too. So while older revisions keep
+    pods (after a spec update or a promotion; pods_to_keep says how many, and they go as the new
+    revision's become ready), the new revision gets what the ceiling leaves beside them: at
+    promotion at least its canary pods."""
     revs = revisions(spec, replica_budget(spec, profile, wanted), traffic)
     ceiling = replica_ceiling(spec, profile)
-    if traffic.stage == "Promoted" and traffic.previous_pods:
-        (promoted,) = revs
-        return [replace(promoted, replicas=max(min(promoted.replicas, ceiling - traffic.previous_pods), 0))]
+    if traffic.stage in ("Stable", "Promoted") and traffic.previous_pods:
+        (replacing,) = revs
+        return [replace(replacing, replicas=max(min(replacing.replicas, ceiling - traffic.previous_pods), 0))]
     if len(revs) < 2:
         return revs
     stable, canary = revs
@@ -171,6 +172,18 @@ def planned_revisions(spec: api.SpeculativeServingSpec, profile: api.ServingProf
         most = min(ceiling - stable.replicas, traffic.canary_ready)
         return [stable, keep_replaced_pods(canary, stable, traffic.stable_ready, most)]
     return revs
+
+
+def pods_to_keep(wanted: int, ready: int, previous: int, ceiling: int) -> int:
+    """Of the `previous` pods of older revisions that a revision of `wanted` replicas (`ready` of
+    them ready) replaces, after a plain spec update or a promotion: how many stay. Those that cover
+    what it has not made ready yet, within `ceiling` beside it; at the ceiling one fewer, so that it
+    can start a pod. A rolling replacement, one pod at a time at the budget's wall (Kubernetes'
+    maxUnavailable 1), instead of a whole second revision beside the first for a start-up."""
+    keep = min(previous, max(wanted - ready, 0))
+    if ready < wanted and keep > 0 and ceiling - keep <= ready:
+        keep = max(ceiling - ready - 1, 0)
+    return keep
 
 
 def keep_replaced_pods(leaving: Revision, arriving: Revision, arriving_ready: int, most: int) -> Revision:

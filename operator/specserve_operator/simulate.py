@@ -627,6 +627,10 @@ class SimulatedCluster:
             self._sync()
         return "created" if current is None else "unchanged" if current == self.objects[key] else "patched"
 
+    def scale(self, api_version: str, kind: str, namespace: str, name: str, replicas: int) -> None:
+        self.objects[self._key(api_version, kind, namespace, name)]["spec"]["replicas"] = replicas
+        self._sync()
+
     def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:
         found = self.objects.pop(self._key(api_version, kind, namespace, name), None) is not None
         if kind == "Deployment":

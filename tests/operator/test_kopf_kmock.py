@@ -96,6 +96,32 @@ async def test_spec_change_rolls_a_new_revision_and_removes_the_old_once_ready(o
     assert await eventually(lambda: status_of(operator).get("phase") == "Serving")
 
 
+async def test_a_spec_change_at_the_replica_ceiling_replaces_pods_one_at_a_time(operator, serving, profile):
+    """maxHourlyCostUSD pays for 2 replicas = replicas.min: a second revision of 2 beside the first
+    would cost twice the budget for a start-up. The old revision makes way for one new pod at a time
+    instead, the two never above 2 together."""
+    profile["spec"]["limits"]["maxHourlyCostUSD"] = 5.0  # 2 x $2.50
+    await create(operator, profile)
+    await create(operator, with_uid(serving))
+    first = (await eventually(lambda: live(operator, DEPLOYMENTS)))[0]
+    await set_ready(operator, first, 2)
+    await eventually(lambda: status_of(operator).get("phase") == "Serving")
+
+    def replicas():
+        return {name: operator.objects[DEPLOYMENTS, "team-a", name]["spec"]["replicas"] for name in live(operator, DEPLOYMENTS)}
+
+    await merge_patch(operator, serving, {"spec": {"speculator": {"method": "ngram", "draftModel": None, "numSpeculativeTokens": 4}}})
+    both = await eventually(lambda: len(live(operator, DEPLOYMENTS)) == 2 and live(operator, DEPLOYMENTS))
+    second = next(name for name in both if name != first)
+    assert await eventually(lambda: replicas() == {first: 1, second: 1})
+    await set_ready(operator, second, 1)
+    assert await eventually(lambda: replicas() == {first: 0, second: 2})
+    await set_ready(operator, second, 2)
+    assert await eventually(lambda: live(operator, DEPLOYMENTS) == [second])
+    scaled = [r.data for r in requests_to(operator, "PATCH", DEPLOYMENTS) if r.name == first and "spec" in r.data]
+    assert scaled == [{"spec": {"replicas": 1}}, {"spec": {"replicas": 0}}]  # its replica count alone, twice
+
+
 def slow_api(monkeypatch, seconds):
     """A slow API server: with 0.3 s resyncs, some reconcile is nearly always in flight."""
     from specserve_operator.apply import Cluster

@@ -11,6 +11,7 @@ from specserve_operator.render import (
     Settings,
     Traffic,
     candidate_runtime,
+    pods_to_keep,
     render_all,
     replica_budget,
     revision_hash,
@@ -343,6 +344,19 @@ def test_render_command_exit_status_and_stream(tmp_path, capsys):
     errors = capsys.readouterr().err.strip().splitlines()
     assert any(line.endswith("spec.profile: Field required") for line in errors)
     assert any(line.endswith("spec.model: Field required") for line in errors)
+
+
+def test_older_revisions_keep_the_pods_not_yet_replaced_within_the_ceiling():
+    # wanted, ready, previous, ceiling -> older pods kept
+    assert pods_to_keep(3, 0, 3, 8) == 3  # room for all 3 new pods beside the 3 old ones
+    assert pods_to_keep(3, 2, 3, 8) == 1  # 2 replaced
+    assert pods_to_keep(3, 3, 1, 8) == 0  # all replaced
+    assert pods_to_keep(4, 0, 4, 6) == 4  # the new revision starts 2 beside them (render: 6 - 4)
+    # at the ceiling, one old pod makes way so that a new one can start; then one at a time
+    assert pods_to_keep(2, 0, 2, 2) == 1
+    assert pods_to_keep(2, 1, 1, 2) == 0
+    assert pods_to_keep(6, 3, 3, 6) == 2  # 3 ready, and only 3 + 3 = 6: one goes for the fourth
+    assert pods_to_keep(2, 0, 0, 2) == 0  # nothing older
 
 
 def test_a_promotion_starts_only_the_pods_the_budget_leaves_beside_the_previous_stables(example_documents):

@@ -137,13 +137,15 @@ async def test_passing_analyses_walk_the_steps_and_promote_without_restarting_po
     assert promoted["metadata"]["labels"]["specserve.io/role"] == "stable"
     assert promoted["spec"]["template"] == template  # same pods: promotion restarts nothing
     # maxReplicas (4) is a wall for the handover too: beside the old stable's 2 pods, the promoted
-    # revision keeps its 2 until they are ready; then the old one goes and it grows to 4
+    # revision keeps its 2 until they are ready; then the old one makes way one pod at a time
     assert deployment(operator, canary)["spec"]["replicas"] == 2
     assert stable in [name.removeprefix("qwen3-8b-") for name in live(operator, DEPLOYMENTS)]  # old serves until ready
     await set_ready(operator, f"qwen3-8b-{canary}", 2)
-    assert await eventually(lambda: live(operator, DEPLOYMENTS) == [f"qwen3-8b-{canary}"])
-    assert await eventually(lambda: deployment(operator, canary)["spec"]["replicas"] == 4)
+    assert await eventually(lambda: [deployment(operator, r)["spec"]["replicas"] for r in (stable, canary)] == [1, 3])
+    await set_ready(operator, f"qwen3-8b-{canary}", 3)
+    assert await eventually(lambda: [deployment(operator, r)["spec"]["replicas"] for r in (stable, canary)] == [0, 4])
     await set_ready(operator, f"qwen3-8b-{canary}", 4)
+    assert await eventually(lambda: live(operator, DEPLOYMENTS) == [f"qwen3-8b-{canary}"])
     assert await eventually(lambda: status_of(operator).get("phase") == "Serving")
     status = status_of(operator)
     assert status["stable"]["revision"] == canary and status["lastRollout"]["outcome"] == "Promoted"
