@@ -287,13 +287,13 @@ def reconcile(cluster: Cluster, body: dict, settings: Settings, source, now: dat
     outcome.events += scaling.events
     canary_ready = ready_replicas(deployments.get(f"{serving.name}-{candidate}")) if candidate else None
     stable_ready = ready_replicas(deployments.get(f"{serving.name}-{stable_hash}"))
+    total = replica_budget(spec, profile.spec, scaling.replicas)  # the autoscaler's count: without a start-up surge
     previous_pods = None
     if decision.stage in ("Stable", "Promoted"):  # one revision: older ones' pods go as its pods become ready
         replacing = f"{serving.name}-{candidate if decision.stage == 'Promoted' else stable_hash}"
         older = {name: d for name, d in deployments.items() if name != replacing}
         if older:
-            previous_pods = pods_to_keep(replica_budget(spec, profile.spec, scaling.replicas),
-                                         ready_replicas(deployments.get(replacing)),
+            previous_pods = pods_to_keep(total, ready_replicas(deployments.get(replacing)),
                                          sum(spec_replicas(d) for d in older.values()), replica_ceiling(spec, profile.spec))
             scale_older(cluster, serving.namespace, older, previous_pods, outcome)
     traffic = Traffic(decision.stage, decision.weight, canary_ready=canary_ready, stable_ready=stable_ready,
@@ -305,7 +305,6 @@ def reconcile(cluster: Cluster, body: dict, settings: Settings, source, now: dat
     desired = render_all(serving, profile, settings, traffic, scaling.replicas)
     for obj in desired:
         outcome.applied[f"{obj['kind']}/{obj['metadata']['name']}"] = cluster.apply(obj)
-    total = replica_budget(spec, profile.spec, scaling.replicas)  # the autoscaler's count: without a start-up surge
     outcome.status = serving_status(serving, profile, old_status, generation, existing, decision, revs, total, scaling, at)
     outcome.events += decision.events
     outcome.consumed_annotations = decision.consumed_annotations

