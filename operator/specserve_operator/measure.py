@@ -18,11 +18,12 @@ Definitions, the same for both sources (increase = over the window, summed over 
   accepted_per_position  increase(accepted at position i) / increase(drafts)
   error_rate             finished with reason abort or error / all finished; None when none finished
   in_flight_per_replica  requests in the system (running + waiting), time-averaged over the
-                         window, per ready replica. Prometheus: avg_over_time of the
-                         vllm:num_requests_running and _waiting gauges (every scrape in the window).
-                         Direct scraping has only two samples of those gauges, too few, so it uses
-                         Little's law instead: increase(vllm:e2e_request_latency_seconds_sum) / window
-                         (exact for the requests that finished in the window).
+                         window, per ready replica, by Little's law:
+                         increase(vllm:e2e_request_latency_seconds_sum) / window / ready replicas
+                         (exact for the requests that finished in the window). Not the average of
+                         the vllm:num_requests_running/_waiting gauges: those are sampled once per
+                         scrape (a handful per window at a 15-30 s interval, two for direct
+                         scraping), and a scrape that times out on a busy pod drops a busy sample.
 `promql(target, seconds)` gives the exact queries PrometheusSource runs; `histogram_quantile` is
 PromQL's own, so both sources compute latency quantiles identically.
 """
@@ -119,8 +120,6 @@ REQUEST_SUCCESS = "vllm:request_success_total"
 INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"
 TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"
 E2E_LATENCY = "vllm:e2e_request_latency_seconds"
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
 ERROR_REASONS = ("abort", "error")  # finished_reason values that count as errors
 
 # The samples a window needs, each with the one label that tells its series apart; every other
@@ -388,8 +387,8 @@ def promql(target: Target, seconds: float) -> dict[str, str]:
         "accepted_per_position": f"sum by (position) (increase({ACCEPTED_PER_POSITION}{series}{w}))",
         "finished_requests": f"sum(increase({REQUEST_SUCCESS}{series}{w}))",
         "failed_requests": f"sum(increase({REQUEST_SUCCESS}{errors}{w}))",
-        "in_flight_per_replica": f"(sum(avg_over_time({RUNNING}{series}{w})) + sum(avg_over_time({WAITING}{series}{w})))"
-                                 f" / {target.ready_replicas}",
+        "in_flight_per_replica": f"sum(increase({E2E_LATENCY}_sum{series}{w}))"
+                                 f" / {window_seconds(seconds)} / {target.ready_replicas}",
     }
 
 
