@@ -3,8 +3,14 @@
 Objective. At a given demand the tokens served per second are fixed by the demand, so the count
 that maximises tokens per dollar is the smallest one whose predicted p99s meet the SLO.
 
-Demand is the measured arrival of work, not the requests in flight: requests finished per second
-(all revisions) and tokens generated per request. Requests in flight depend on the replica count
+Demand is the measured arrival of work, not the requests in flight: requests arrived per second
+(all revisions) and tokens generated per request. Requests finished per second measure it
+while the replicas keep up; a saturated window (its requests queued beyond the batch for more
+than SATURATED_QUEUE_SHARE of their time) counts the larger of finished and arrived (finished +
+the growth of the requests in the system, measure.Window.arrived_requests): an overloaded
+replica's throughput caps what finishes and would hide the load it cannot keep up with, and a
+draining backlog finishes faster than requests now arrive but is still work to serve. (Not
+arrived always: its gauge ends add noise, and the larger of two noisy numbers is biased up.) Requests in flight depend on the replica count
 (fewer replicas decode each request more slowly, so more of them are in flight at once), so they
 are what the model predicts, not what it takes as given. For each count n within the bounds, a
 replica receives rate = demand x HEADROOM / n requests per second, and by Little's law holds
@@ -54,6 +60,7 @@ DOWN_TOLERANCE = 0.1  # like the HPA's tolerance: noise around a boundary must n
 TREND_SECONDS = 180  # the demand trend is fitted over this much history (at least TREND_POINTS points)
 TREND_POINTS = 4
 FLOOR_TOLERANCE = 0.05  # when no count meets the SLO: replicas that improve the prediction by less buy nothing
+SATURATED_QUEUE_SHARE = 0.1  # a window whose requests spent more of their time queued measured the backlog
 
 
 @dataclass(frozen=True)
@@ -108,6 +115,15 @@ class Demand:
         return text
 
 
+def saturated(w: Window) -> bool:
+    """The window's requests spent more than SATURATED_QUEUE_SHARE of their time in the system
+    queued beyond the batch: its latencies are the full batch's and its in-flight count is mostly
+    the queue, so it says nothing about the replica's capacity curve (capacity.py)."""
+    if w.waiting_per_replica is None or w.in_flight_per_replica is None:
+        return False
+    return w.waiting_per_replica > SATURATED_QUEUE_SHARE * w.in_flight_per_replica
+
+
 def demand_of(windows: list[Window]) -> tuple[Demand | None, str | None]:
     """The serving's demand over its revisions' windows, or None and why. A revision without ready
     replicas (a canary's first pod starting) serves nothing, so the others' windows are the whole
@@ -121,7 +137,13 @@ def demand_of(windows: list[Window]) -> tuple[Demand | None, str | None]:
     tokens = sum(w.generated_tokens or 0 for w in windows)
     if finished <= 0:
         return None, "no request finished in the window"
-    return Demand(sum((w.finished_requests or 0) / w.seconds for w in windows), max(tokens / finished, 1.0)), None
+
+    def arrived(w: Window) -> float:
+        if saturated(w) and w.arrived_requests is not None:
+            return max(w.finished_requests or 0, w.arrived_requests)
+        return w.finished_requests or 0
+
+    return Demand(sum(arrived(w) / w.seconds for w in windows), max(tokens / finished, 1.0)), None
 
 
 def trend(history: Sequence[tuple[float, float]], ahead: float) -> float | None:
@@ -301,7 +323,8 @@ def tick(
     serving = {w.revision for w in windows}
     observations = [o for o in status.observations if o.revision in serving]
     for w in windows:
-        if w.missing is None and w.p99_inter_token_latency_ms is not None and w.in_flight_per_replica is not None:
+        if w.missing is None and w.p99_inter_token_latency_ms is not None and w.in_flight_per_replica is not None \
+                and not saturated(w):
             observations.append(api.CapacityObservation(
                 revision=w.revision, at=at, in_flight_per_replica=w.in_flight_per_replica,
                 p99_inter_token_latency_ms=w.p99_inter_token_latency_ms,

@@ -4,7 +4,10 @@ Form. With c = requests in flight per ready replica, three lines
     p99 inter-token latency (c) = itl0 + itl_slope * c      p99 time to first token (c) = ttft0 + ttft_slope * c
     mean time in the system per generated token (c) = s0 + s1 * c
 fitted by least squares over the revision's recent measurement windows (the autoscaler keeps the
-last OBSERVATIONS in status, so a restart keeps the fit) together with a prior: points from a
+last OBSERVATIONS in status, so a restart keeps the fit; it leaves out saturated windows, whose
+requests spent more than a tenth of their time queued beyond the engine's batch: those measure
+the backlog, not the replica, and one backlog of hundreds per replica would drag the lines for
+hours after the spike is served) together with a prior: points from a
 performance table (the operator's SPECSERVE_CAPACITY_PRIORS, a scenario's `performance` curves),
 each weighted as one window. The p99 lines are what the SLO is checked against; the mean line is
 the service time with which the autoscaler predicts c from an arrival rate (Little's law needs a

@@ -17,6 +17,9 @@ Definitions, the same for both sources (increase = over the window, summed over 
   acceptance_length      1 + increase(accepted tokens) / increase(drafts); None without drafts
   accepted_per_position  increase(accepted at position i) / increase(drafts)
   error_rate             finished with reason abort or error / all finished; None when none finished
+  arrived_requests       finished + the change in requests in the system (the running and waiting
+                         gauges at the window's ends): what arrived, which exceeds what finished
+                         while a queue grows. Prometheus: delta() of the gauges.
   in_flight_per_replica  requests in the system (running + waiting), time-averaged over the
                          window, per ready replica, by Little's law:
                          increase(vllm:e2e_request_latency_seconds_sum) / window / ready replicas
@@ -24,6 +27,8 @@ Definitions, the same for both sources (increase = over the window, summed over 
                          the vllm:num_requests_running/_waiting gauges: those are sampled once per
                          scrape (a handful per window at a 15-30 s interval, two for direct
                          scraping), and a scrape that times out on a busy pod drops a busy sample.
+  waiting_per_replica    of those, the requests queued beyond the engine's batch, the same way:
+                         increase(vllm:request_queue_time_seconds_sum) / window / ready replicas.
 `promql(target, seconds)` gives the exact queries PrometheusSource runs; `histogram_quantile` is
 PromQL's own, so both sources compute latency quantiles identically.
 """
@@ -70,7 +75,8 @@ class Window:
     """One revision over one window, summed over its ready replicas.
 
     in_flight_per_replica is the time-averaged number of requests in the system (running or
-    waiting) per ready replica: the load the analysis matches and the autoscaler plans for.
+    waiting) per ready replica: the load the analysis matches and the autoscaler plans for;
+    waiting_per_replica is the part of it queued beyond the engine's batch.
     """
 
     revision: str
@@ -83,8 +89,10 @@ class Window:
     acceptance_length: float | None = None  # 1 + accepted / drafts; None: no drafts in the window
     accepted_per_position: tuple[float, ...] = ()  # accepted / drafts at draft position 0, 1, ...
     finished_requests: float | None = None
+    arrived_requests: float | None = None  # finished + growth of the requests in the system
     error_rate: float | None = None  # finished with reason abort or error / all finished
     in_flight_per_replica: float | None = None
+    waiting_per_replica: float | None = None
     hourly_cost_usd: float | None = None
     tokens_per_dollar: float | None = None
     missing: str | None = None  # set: no data, and why
@@ -120,6 +128,8 @@ REQUEST_SUCCESS = "vllm:request_success_total"
 INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"
 TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"
 E2E_LATENCY = "vllm:e2e_request_latency_seconds"
+QUEUE_TIME = "vllm:request_queue_time_seconds"
+IN_SYSTEM = ("vllm:num_requests_running", "vllm:num_requests_waiting")  # gauges
 ERROR_REASONS = ("abort", "error")  # finished_reason values that count as errors
 
 # The samples a window needs, each with the one label that tells its series apart; every other
@@ -133,6 +143,8 @@ KEY_LABEL = {
     INTER_TOKEN_LATENCY + "_bucket": "le",
     TIME_TO_FIRST_TOKEN + "_bucket": "le",
     E2E_LATENCY + "_sum": "",
+    QUEUE_TIME + "_sum": "",
+    **{gauge: "" for gauge in IN_SYSTEM},
 }
 
 Key = tuple[str, str]  # (sample name, value of its KEY_LABEL or "")
@@ -246,7 +258,7 @@ def window_between(before: Snapshot, after: Snapshot, target: Target, seconds: f
         previous = before.pods[pod]
         for key in values.keys() | previous.keys():
             change = values.get(key, 0.0) - previous.get(key, 0.0)
-            if change < 0:
+            if change < 0 and key[0] not in IN_SYSTEM:  # a gauge may go down; a counter only by a reset
                 name, label = key
                 series = f'{name}{{{KEY_LABEL[name]}="{label}"}}' if label else name
                 reason = f"counter reset on {pod}: {series} went down (the pod restarted)"
@@ -269,9 +281,12 @@ def window_between(before: Snapshot, after: Snapshot, target: Target, seconds: f
     if generated == 0 and finished == 0:
         return Window.no_data(target, seconds, "no traffic in the window")
     drafts = total(DRAFTS)
-    in_flight = None
-    if (E2E_LATENCY + "_sum", "") in increase:  # Little's law over the requests that finished in the window
-        in_flight = increase[E2E_LATENCY + "_sum", ""] / seconds / target.ready_replicas
+    def little(seconds_sum: str) -> float | None:
+        """Little's law over the requests that finished in the window: their seconds / window / replicas."""
+        if (seconds_sum, "") not in increase:
+            return None
+        return increase[seconds_sum, ""] / seconds / target.ready_replicas
+
     return Window(
         revision=target.revision,
         seconds=seconds,
@@ -283,8 +298,10 @@ def window_between(before: Snapshot, after: Snapshot, target: Target, seconds: f
         acceptance_length=1 + total(ACCEPTED) / drafts if drafts else None,
         accepted_per_position=_per_position(by_label(ACCEPTED_PER_POSITION), drafts),
         finished_requests=finished,
+        arrived_requests=finished + sum(total(gauge) for gauge in IN_SYSTEM),
         error_rate=sum(reasons.get(reason, 0.0) for reason in ERROR_REASONS) / finished if finished else None,
-        in_flight_per_replica=in_flight,
+        in_flight_per_replica=little(E2E_LATENCY + "_sum"),
+        waiting_per_replica=little(QUEUE_TIME + "_sum"),
     )
 
 
@@ -376,6 +393,9 @@ def promql(target: Target, seconds: float) -> dict[str, str]:
     def p99(histogram: str) -> str:
         return f"histogram_quantile(0.99, sum by (le) (rate({histogram}_bucket{series}{w})))"
 
+    def little(histogram: str) -> str:
+        return f"sum(increase({histogram}_sum{series}{w})) / {window_seconds(seconds)} / {target.ready_replicas}"
+
     return {
         "samples": f"count_over_time({GENERATION_TOKENS}{series}{w})",
         "tokens_per_second": f"sum(rate({GENERATION_TOKENS}{series}{w}))",
@@ -387,8 +407,9 @@ def promql(target: Target, seconds: float) -> dict[str, str]:
         "accepted_per_position": f"sum by (position) (increase({ACCEPTED_PER_POSITION}{series}{w}))",
         "finished_requests": f"sum(increase({REQUEST_SUCCESS}{series}{w}))",
         "failed_requests": f"sum(increase({REQUEST_SUCCESS}{errors}{w}))",
-        "in_flight_per_replica": f"sum(increase({E2E_LATENCY}_sum{series}{w}))"
-                                 f" / {window_seconds(seconds)} / {target.ready_replicas}",
+        "in_system_change": " + ".join(f"sum(delta({gauge}{series}{w}))" for gauge in IN_SYSTEM),
+        "in_flight_per_replica": little(E2E_LATENCY),
+        "waiting_per_replica": little(QUEUE_TIME),
     }
 
 
@@ -436,6 +457,7 @@ class PrometheusSource:
         drafts = self.value(queries["drafts"])
         accepted = {labels.get("position", ""): value for labels, value in self.query(queries["accepted_per_position"])}
         failed = self.value(queries["failed_requests"]) or 0.0
+        in_system_change = self.value(queries["in_system_change"])
         return Window(
             revision=target.revision,
             seconds=float(w),
@@ -447,8 +469,10 @@ class PrometheusSource:
             acceptance_length=self.value(queries["acceptance_length"]) if drafts else None,
             accepted_per_position=_per_position(accepted, drafts or 0.0),
             finished_requests=finished,
+            arrived_requests=None if in_system_change is None else finished + in_system_change,
             error_rate=failed / finished if finished else None,
             in_flight_per_replica=self.value(queries["in_flight_per_replica"]),
+            waiting_per_replica=self.value(queries["waiting_per_replica"]),
         )
 
     def value(self, query: str) -> float | None:

@@ -195,7 +195,7 @@ class Pod:
 class Bin:
     """One revision over one second of simulated time."""
 
-    __slots__ = ("arrivals", "errors", "finished", "in_system", "itl", "tokens", "ttfts")
+    __slots__ = ("arrivals", "errors", "finished", "in_system", "itl", "tokens", "ttfts", "waiting")
 
     def __init__(self):
         self.tokens = 0.0
@@ -203,6 +203,7 @@ class Bin:
         self.ttfts: list[float] = []  # seconds
         self.finished = self.errors = self.arrivals = 0
         self.in_system = 0.0  # integral of requests in the system (request-seconds)
+        self.waiting = 0.0  # the part of it queued beyond the batch
 
 
 def weighted_p99(weights: dict[float, float]) -> float | None:
@@ -308,7 +309,7 @@ class Fleet:
         if t <= t0:
             return
         pod.t_last = t
-        in_system, decoding, rate = pod.in_system, len(pod.decoding), pod.rate
+        in_system, waiting, decoding, rate = pod.in_system, len(pod.waiting), len(pod.decoding), pod.rate
         if decoding:
             pod.served += rate * (t - t0)
         if not in_system:
@@ -319,6 +320,7 @@ class Fleet:
             span = edge - t0
             b = self.bin(revision, t0)
             b.in_system += in_system * span
+            b.waiting += waiting * span
             if decoding:
                 tokens = rate * span * decoding
                 b.tokens += tokens
@@ -506,6 +508,7 @@ class Fleet:
                 total.errors += b.errors
                 total.arrivals += b.arrivals
                 total.in_system += b.in_system
+                total.waiting += b.waiting
         return total
 
     def window(self, revision: str, seconds: float, now: float, missing: str | None = None) -> Window:
@@ -533,8 +536,10 @@ class Fleet:
             p99_time_to_first_token_ms=None if ttft is None else 1000 * ttft * self.measurement_noise(),
             acceptance_length=model.acceptance_length,
             finished_requests=float(b.finished),
+            arrived_requests=float(b.arrivals),
             error_rate=b.errors / b.finished if b.finished else None,
             in_flight_per_replica=b.in_system / seconds / ready,
+            waiting_per_replica=b.waiting / seconds / ready,
         )
 
     def measurement_noise(self) -> float:

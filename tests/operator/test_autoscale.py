@@ -61,7 +61,7 @@ def test_requests_in_flight_follow_littles_law_on_the_mean_and_saturate():
     assert fewer_replicas[2] > 4 * fewer_replicas[0]
 
 
-def test_demand_is_the_finished_requests_and_their_tokens_over_every_revision():
+def test_demand_is_the_arrived_requests_and_their_tokens_over_every_revision():
     windows = [Window("a", 30, 2, generated_tokens=6000, finished_requests=60),
                Window("b", 30, 1, generated_tokens=3000, finished_requests=30)]
     demand, missing = demand_of(windows)
@@ -73,6 +73,49 @@ def test_demand_is_the_finished_requests_and_their_tokens_over_every_revision():
     starting = Window.no_data(Target(None, "s", "b", 0), 30, "no ready replicas")
     assert demand_of([windows[0], starting]) == (Demand(2.0, 100.0), None)
     assert demand_of([starting]) == (None, "b: no ready replicas")
+    # saturated (most of the time in the system queued): a queue that grows, more arrived than
+    # finished, and the arrivals are the demand
+    growing = Window("a", 30, 2, generated_tokens=6000, finished_requests=60, arrived_requests=150,
+                     in_flight_per_replica=40, waiting_per_replica=30)
+    assert demand_of([growing]) == (Demand(5.0, 100.0), None)
+    # a backlog that drains: fewer arrive than finish, and holding what finishes keeps the replicas
+    # that drain it (what arrives now is not all the work there is)
+    draining = Window("a", 30, 2, generated_tokens=6000, finished_requests=60, arrived_requests=15,
+                      in_flight_per_replica=40, waiting_per_replica=30)
+    assert demand_of([draining]) == (Demand(2.0, 100.0), None)
+    # keeping up (no queue): what finished is the demand; the gauges' ends are noise
+    keeping_up = Window("a", 30, 2, generated_tokens=6000, finished_requests=60, arrived_requests=66,
+                        in_flight_per_replica=4, waiting_per_replica=0)
+    assert demand_of([keeping_up]) == (Demand(2.0, 100.0), None)
+
+
+def autoscaled_serving() -> tuple[api.SpeculativeServingSpec, api.ServingProfileSpec]:
+    spec = api.SpeculativeServingSpec.model_validate({
+        "profile": "p", "model": {"name": "m", "uri": "hf://m", "servedName": "m"},
+        "replicas": {"min": 1, "max": 10}, "autoscaling": {"enabled": True}})
+    profile = api.ServingProfileSpec.model_validate({
+        "tenant": "t", "accelerator": {"pricePerHourUSD": 2.0}, "slo": {"p99InterTokenLatencyMs": 40}})
+    return spec, profile
+
+
+def test_a_saturated_window_is_not_a_capacity_observation():
+    spec, profile = autoscaled_serving()
+
+    def window(in_flight, waiting):
+        return Window("abc", 30, 2, in_flight_per_replica=in_flight, waiting_per_replica=waiting,
+                      p99_inter_token_latency_ms=25.0, generated_tokens=9000, tokens_per_second=300,
+                      finished_requests=60, arrived_requests=90)  # saturated or not, a queue grew
+
+    status = api.AutoscalingStatus()
+    # a short wait for the batch (a twentieth of the time in the system) is the replica's own curve
+    status, _ = tick(status, [window(20.0, 1.0)], ["abc"], {}, spec, profile, profile.slo, 2, False, T0,
+                     startup_seconds=120)
+    assert [o.in_flight_per_replica for o in status.observations] == [20.0]
+    # 300 in flight of which 280 queue: the backlog, not the replica; still demand, not capacity
+    status, decision = tick(status, [window(300.0, 280.0)], ["abc"], {}, spec, profile, profile.slo, 2, False,
+                            T0 + datetime.timedelta(seconds=30), startup_seconds=120)
+    assert [o.in_flight_per_replica for o in status.observations] == [20.0]
+    assert status.demand_measured_requests_per_second == 3.0  # saturated: 90 arrived in 30 s
 
 
 def test_without_spread_the_model_assumes_fixed_throughput():
@@ -179,11 +222,7 @@ def test_noisy_measurements_at_steady_demand_do_not_flap():
 
 
 def test_tick_carries_everything_in_status():
-    spec = api.SpeculativeServingSpec.model_validate({
-        "profile": "p", "model": {"name": "m", "uri": "hf://m", "servedName": "m"},
-        "replicas": {"min": 1, "max": 10}, "autoscaling": {"enabled": True}})
-    profile = api.ServingProfileSpec.model_validate({
-        "tenant": "t", "accelerator": {"pricePerHourUSD": 2.0}, "slo": {"p99InterTokenLatencyMs": 40}})
+    spec, profile = autoscaled_serving()
     prior = {"abc": prior_points([{"concurrency": 1, "tokensPerSecondPerRequest": 100, "ttftMs": 50},
                                   {"concurrency": 8, "tokensPerSecondPerRequest": 50, "ttftMs": 200}])}
     status = api.AutoscalingStatus()

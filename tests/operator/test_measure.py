@@ -268,8 +268,8 @@ def test_prometheus_source_says_which_series_is_absent_and_when_nothing_happened
 # ----- window_between: two snapshots built from /metrics text ---------------------------------------
 
 
-def runtime_text(generated=0, drafts=0, accepted_by_position=(), reasons=None, itl=(), ttft=(), e2e=(), running=0,
-                 waiting=0) -> str:
+def runtime_text(generated=0, drafts=0, accepted_by_position=(), reasons=None, itl=(), ttft=(), e2e=(), queue=(),
+                 running=0, waiting=0) -> str:
     """/metrics text exactly as the runtime writes it, after these steps and requests."""
     metrics = Metrics(MODEL, "eagle3", None)
     for position, count in enumerate(accepted_by_position):
@@ -284,7 +284,8 @@ def runtime_text(generated=0, drafts=0, accepted_by_position=(), reasons=None, i
         metrics.of(metrics.success, finished_reason=reason).inc(count)
     metrics.of(metrics.running).set(running)
     metrics.of(metrics.waiting).set(waiting)
-    for histogram, observations in ((metrics.itl, itl), (metrics.ttft, ttft), (metrics.e2e, e2e)):
+    for histogram, observations in ((metrics.itl, itl), (metrics.ttft, ttft), (metrics.e2e, e2e),
+                                    (metrics.queue_time, queue)):
         for seconds in observations:
             metrics.of(histogram).observe(seconds)
     return generate_latest(metrics.registry).decode()
@@ -313,7 +314,8 @@ def test_window_between_two_scrapes_of_two_pods():
         # pod 0: +200 tokens in 80 drafts, 60 then 20 accepted at positions 0 and 1, 4 requests (1 aborted)
         pods[0]: runtime_text(generated=300, drafts=100, accepted_by_position=(70, 24),
                               reasons={"stop": 5, "abort": 1}, itl=[0.02] * 10 + [0.04] * 99 + [0.3],
-                              ttft=[0.05] * 4, e2e=[1.0, 1.0, 2.0, 2.0, 3.0, 3.0], running=1, waiting=3),
+                              ttft=[0.05] * 4, e2e=[1.0, 1.0, 2.0, 2.0, 3.0, 3.0], queue=[0.5, 1.5],
+                              running=1, waiting=3),
         # pod 1: +100 tokens with no drafts (it shows that per-pod increases add up)
         pods[1]: runtime_text(generated=150, reasons={"length": 1}, e2e=[2.0]),
     })
@@ -325,9 +327,13 @@ def test_window_between_two_scrapes_of_two_pods():
     assert window.acceptance_length == pytest.approx(1 + 80 / 80)
     assert window.accepted_per_position == pytest.approx((60 / 80, 20 / 80))
     assert window.finished_requests == 5
+    # 5 finished, and the requests in the system went from 0 + 1 to 4 + 0 (a gauge that falls is no reset)
+    assert window.arrived_requests == 8
     assert window.error_rate == pytest.approx(1 / 5)
     # requests finishing in the window took 10 s + 2 s, over 10 s and 2 replicas: 0.6 in flight per replica
     assert window.in_flight_per_replica == pytest.approx(12.0 / 10 / 2)
+    # and of that time 2 s queued beyond the batch (the gauges, sampled twice, play no part)
+    assert window.waiting_per_replica == pytest.approx(2.0 / 10 / 2)
     # the window's 100 new inter-token latencies: 99 in (0.025, 0.05], 1 in (0.2, 0.3]; rank 99 ends the first
     assert window.p99_inter_token_latency_ms == pytest.approx(50.0)
     # 4 first tokens in (0.04, 0.06]: rank 3.96 of 4
@@ -479,6 +485,11 @@ def test_promql_selects_one_revision():
                                           'revision="abc123",finished_reason=~"abort|error"}[60s]))')
     assert queries["in_flight_per_replica"] == ('sum(increase(vllm:e2e_request_latency_seconds_sum{namespace="team-a",'
                                                 'serving="qwen",revision="abc123"}[60s])) / 60 / 3')
+    assert queries["in_system_change"] == (
+        'sum(delta(vllm:num_requests_running{namespace="team-a",serving="qwen",revision="abc123"}[60s]))'
+        ' + sum(delta(vllm:num_requests_waiting{namespace="team-a",serving="qwen",revision="abc123"}[60s]))')
+    assert queries["waiting_per_replica"] == ('sum(increase(vllm:request_queue_time_seconds_sum{namespace="team-a",'
+                                              'serving="qwen",revision="abc123"}[60s])) / 60 / 3')
 
 
 def test_prometheus_source_reads_each_number(canned):
@@ -496,6 +507,8 @@ def test_prometheus_source_reads_each_number(canned):
         "finished_requests": vector(({}, "50")),
         "failed_requests": vector(({}, "1")),
         "in_flight_per_replica": vector(({}, "3.5")),
+        "waiting_per_replica": vector(({}, "0.25")),
+        "in_system_change": vector(({}, "-4")),
     }.items()})
     window = PrometheusSource(canned.url).measure(t, 60)
     assert window.missing is None
@@ -506,6 +519,8 @@ def test_prometheus_source_reads_each_number(canned):
     assert window.acceptance_length == 2.5
     assert window.accepted_per_position == (0.75, 0.0, 0.25)
     assert (window.finished_requests, window.error_rate, window.in_flight_per_replica) == (50, 0.02, 3.5)
+    assert window.waiting_per_replica == 0.25
+    assert window.arrived_requests == 46  # a queue of 4 drained: 50 finished
 
 
 def test_prometheus_source_too_few_samples_is_no_data(canned):
@@ -681,13 +696,14 @@ def test_prometheus_and_scrape_sources_agree_on_real_runtimes(tmp_path):
             assert (over_window(via_prometheus, via_prometheus.tokens_per_second)
                     == pytest.approx(over_window(direct, direct.tokens_per_second), rel=0.3)), context
             assert via_prometheus.finished_requests == pytest.approx(direct.finished_requests, rel=0.3), context
+            assert via_prometheus.arrived_requests == pytest.approx(direct.arrived_requests, rel=0.3), context
             # Request-seconds: the time the prompts spent in the system.
             assert (over_window(via_prometheus, via_prometheus.in_flight_per_replica)
                     == pytest.approx(over_window(direct, direct.in_flight_per_replica), rel=0.3)), context
             assert via_prometheus.p99_inter_token_latency_ms == pytest.approx(direct.p99_inter_token_latency_ms,
                                                                               rel=0.1), context
             assert direct.error_rate == via_prometheus.error_rate == 0, context
-            assert direct.finished_requests == len(prompts), context
+            assert direct.finished_requests == direct.arrived_requests == len(prompts), context
         (ar_direct, ar_prometheus), (eagle3_direct, eagle3_prometheus) = windows["a"], windows["b"]
         assert ar_direct.acceptance_length is None and ar_prometheus.acceptance_length is None
         assert eagle3_direct.acceptance_length > 1

@@ -149,6 +149,20 @@ def test_the_budget_binds_during_the_spike():
     assert result["decision"] is None and result["decisionAtSeconds"] is None
 
 
+def test_after_the_spike_the_backlog_holds_the_replicas_and_then_the_count_comes_down():
+    """The spike's windows, hundreds of requests queued per replica, measure the backlog: they are
+    demand (what arrived), not capacity observations, so once the backlog is served the count
+    returns to what 3 requests/s need instead of the 4-5 replicas those windows used to hold."""
+    doc = document("budget-cap-spike")
+    scenario = scenario_module.Scenario.model_validate(doc)
+    ticks = simulate.simulate(scenario, simulate.arrivals(scenario, scenario.seed), scenario.seed).ticks
+    spike_ends = max(point["atSeconds"] for point in doc["load"]["requestsPerSecond"])
+    at_the_budget = [t for t in ticks if sum(t.desired.values()) == 6]
+    assert at_the_budget and at_the_budget[-1].t > spike_ends  # held while the backlog drained
+    last_minutes = [sum(t.desired.values()) for t in ticks if t.t >= doc["durationSeconds"] - 180]
+    assert last_minutes and max(last_minutes) <= 2
+
+
 # ---- determinism and flags ------------------------------------------------------------------
 
 
