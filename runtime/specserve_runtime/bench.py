@@ -370,7 +370,8 @@ def decode_floor(model: LoadedModel, prefix: int = 300, runs: int = 20) -> dict:
     """One-token decode step of the engine (fused and separate projections) against the bare
     chain of the model's matrix products (every weight once, one token, inputs preallocated);
     the verify forward by tokens and the batched decode step by sequences, with packed weights
-    and with torch's plain F.linear (layers.PackedLinear)."""
+    and with torch's plain F.linear (layers.PackedLinear); and a decode step of 8 sequences that a
+    prompt chunk joins, by the chunk's tokens (what chunked prefill adds to the others' ITL)."""
     target = model.target
     linears = [(name, m) for name, m in target.named_modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
     weights = [m.weight for name, m in linears if not name.endswith((".qkv", ".gate_up"))]  # fused: counted apart
@@ -380,9 +381,11 @@ def decode_floor(model: LoadedModel, prefix: int = 300, runs: int = 20) -> dict:
         for w in weights:
             torch.nn.functional.linear(inputs[w.shape[1]], w)
 
-    caches = [target.new_cache(prefix + 8) for _ in range(8)]  # every step is cropped back to the prefix
+    chunks = (0, 16, 32, 64, 128)
+    vocab = min(1000, target.config.vocab_size)  # token ids do not change a step's cost
+    caches = [target.new_cache(prefix + max(chunks)) for _ in range(9)]  # every step is cropped back to the prefix
     for cache in caches:
-        target(torch.randint(0, 1000, (prefix,)), cache)
+        target(torch.randint(0, vocab, (prefix,)), cache)
 
     def decode_step():
         target(torch.tensor([5]), caches[0])
@@ -393,7 +396,7 @@ def decode_floor(model: LoadedModel, prefix: int = 300, runs: int = 20) -> dict:
             decode_step()
 
     def verify_step(num_tokens: int):  # [last token, drafts...]: what one speculative step verifies
-        target(torch.arange(5, 5 + num_tokens), caches[0])
+        target(torch.arange(5, 5 + num_tokens) % vocab, caches[0])
         caches[0].crop(prefix)
 
     def batch_step(num_sequences: int):  # one decode token for each of several sequences, one forward
@@ -401,7 +404,16 @@ def decode_floor(model: LoadedModel, prefix: int = 300, runs: int = 20) -> dict:
         for cache in caches[:num_sequences]:
             cache.crop(prefix)
 
-    timings = {}
+    def chunked_step(num_prompt_tokens: int):  # 8 decode tokens and one prompt's chunk, one forward
+        segments = [Segment(torch.tensor([5]), cache, 1) for cache in caches[:8]]
+        if num_prompt_tokens:
+            segments.append(Segment(torch.arange(5, 5 + num_prompt_tokens) % vocab, caches[8], 1))
+        target.forward_batch(segments)
+        for cache in caches:
+            cache.crop(prefix)
+
+    timings = {"decode_8_with_prompt_chunk_ms_by_tokens": {n: _median_ms(lambda n=n: chunked_step(n), runs)
+                                                            for n in chunks}}
     for layout, context in (("packed", contextlib.nullcontext), ("plain", lambda: unpacked_weights(target))):
         with context():
             timings[f"verify_ms_by_tokens_{layout}"] = {n: _median_ms(lambda n=n: verify_step(n), runs) for n in range(1, 9)}

@@ -313,6 +313,8 @@ def cmd_bench(args) -> None:
                   + ", ".join(f"{n}: {ms}" for n, ms in kernels[f"verify_ms_by_tokens_{layout}"].items()))
             print(f"batched decode step (ms) by sequences, {layout} weights: "
                   + ", ".join(f"{n}: {ms}" for n, ms in kernels[f"batch_ms_by_sequences_{layout}"].items()))
+        print("decode step of 8 sequences (ms) by the tokens of a prompt chunk joining it: "
+              + ", ".join(f"{n}: {ms}" for n, ms in kernels["decode_8_with_prompt_chunk_ms_by_tokens"].items()))
         for method, modes in kernels["decode_step_ms_by_sequences"].items():
             for mode, by_size in modes.items():
                 print(f"{method} decode step (ms) by sequences, drafts {mode.replace('_', ' ')}: "

@@ -262,3 +262,21 @@ def test_bench_reads_a_v2_style_prompt_set_per_category(tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["methods"]["ar"]["acceptance_length_by_category"].keys() == {"chat", "math"}
     assert summary["methods"]["ar"]["tokens"] <= 4  # two prompts: red and green
+
+
+def test_the_kernel_timings_cover_every_shape_they_print(tiny_llama, tiny_llama_dir):
+    """`bench --kernels` on a tiny model: every timing is there and positive, and the repeated
+    steps leave the caches where they began (a step that forgot to crop would overflow)."""
+    from specserve_runtime.bench import decode_floor
+    from specserve_runtime.loader import LoadedModel
+
+    from .conftest import ByteTokenizer
+
+    timings = decode_floor(LoadedModel(tiny_llama_dir, tiny_llama, ByteTokenizer(), {2}), prefix=40, runs=3)
+    assert set(timings["decode_8_with_prompt_chunk_ms_by_tokens"]) == {0, 16, 32, 64, 128}
+    for layout in ("packed", "plain"):
+        assert set(timings[f"verify_ms_by_tokens_{layout}"]) == set(range(1, 9))
+        assert set(timings[f"batch_ms_by_sequences_{layout}"]) == {1, 2, 4, 8}
+    numbers = [timings[name] for name in ("decode_step_ms", "decode_step_separate_ms", "matmul_floor_ms")]
+    numbers += [ms for value in timings.values() if isinstance(value, dict) for ms in value.values()]
+    assert all(ms > 0 for ms in numbers)
