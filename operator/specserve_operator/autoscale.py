@@ -10,9 +10,10 @@ than SATURATED_QUEUE_SHARE of their time) counts the larger of finished and arri
 the growth of the requests in the system, measure.Window.arrived_requests): an overloaded
 replica's throughput caps what finishes and would hide the load it cannot keep up with, and a
 draining backlog finishes faster than requests now arrive but is still work to serve. (Not
-arrived always: its gauge ends add noise, and the larger of two noisy numbers is biased up.) Requests in flight depend on the replica count
-(fewer replicas decode each request more slowly, so more of them are in flight at once), so they
-are what the model predicts, not what it takes as given. For each count n within the bounds, a
+arrived always: its gauge ends add noise, and the larger of two noisy numbers is biased up.)
+Requests in flight depend on the replica count (fewer replicas decode each request more slowly,
+so more of them are in flight at once), so they are what the model predicts, not what it takes
+as given. For each count n within the bounds, a
 replica receives rate = demand x HEADROOM / n requests per second, and by Little's law holds
     c = rate x T(c),    T(c) = tokens per request x (s0 + s1 c) = A + B c seconds
 requests in flight, with s the capacity model's mean time in the system per generated token

@@ -6,8 +6,8 @@ Form. With c = requests in flight per ready replica, three lines
 fitted by least squares over the revision's recent measurement windows (the autoscaler keeps the
 last OBSERVATIONS in status, so a restart keeps the fit; it leaves out saturated windows, whose
 requests spent more than a tenth of their time queued beyond the engine's batch: those measure
-the backlog, not the replica, and one backlog of hundreds per replica would drag the lines for
-hours after the spike is served) together with a prior: points from a
+the backlog, not the replica, and a backlog of hundreds per replica would drag the lines long
+after it is served, until its windows age out) together with a prior: points from a
 performance table (the operator's SPECSERVE_CAPACITY_PRIORS, a scenario's `performance` curves),
 each weighted as one window. The p99 lines are what the SLO is checked against; the mean line is
 the service time with which the autoscaler predicts c from an arrival rate (Little's law needs a

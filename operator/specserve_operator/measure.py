@@ -253,7 +253,7 @@ def window_between(before: Snapshot, after: Snapshot, target: Target, seconds: f
     if gone or new:
         return Window.no_data(target, seconds, f"pods changed between the two scrapes "
                                                f"(gone: {', '.join(gone) or 'none'}; new: {', '.join(new) or 'none'})")
-    increase: dict[Key, float] = {}
+    increase: dict[Key, float] = {}  # per key, summed over the pods (for the gauges: their change)
     for pod, values in after.pods.items():
         previous = before.pods[pod]
         for key in values.keys() | previous.keys():
@@ -281,6 +281,7 @@ def window_between(before: Snapshot, after: Snapshot, target: Target, seconds: f
     if generated == 0 and finished == 0:
         return Window.no_data(target, seconds, "no traffic in the window")
     drafts = total(DRAFTS)
+
     def little(seconds_sum: str) -> float | None:
         """Little's law over the requests that finished in the window: their seconds / window / replicas."""
         if (seconds_sum, "") not in increase:
