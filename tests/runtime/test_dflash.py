@@ -163,6 +163,36 @@ def test_proposer_with_cached_context_matches_one_full_forward(tiny_llama):
     assert drafts == tiny_llama.lm_head(hidden[1:]).argmax(-1).tolist()
 
 
+def test_a_sequence_that_drafts_nothing_leaves_its_context_pending_until_it_drafts(tiny_llama):
+    """Adaptive speculation at 0 drafts: no drafter work for the step (the context is projected when
+    the sequence next drafts, all of it at once), and the drafts then are those of a proposer that
+    projected every step."""
+    drafter = tiny_drafter(tiny_llama)
+    tokens = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(5))
+    taps = tiny_llama(tokens, tiny_llama.new_cache(32), tap_layers=drafter.config.target_layer_ids).taps
+    lazy, eager = (build_proposer("dflash", tiny_llama, ProposerOptions("random", 7, mask_token_id=95)) for _ in range(2))
+    for proposer in (lazy, eager):
+        proposer.drafter = drafter
+        proposer.begin(64)
+    calls = []
+    hook = drafter.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    try:
+        for end, chunk in ((5, taps[:5]), (6, taps[5:6]), (11, taps[6:11])):
+            lazy.extend_context(chunk)
+            eager.extend_context(chunk)
+            calls.clear()
+            assert lazy.propose(tokens[: end + 1].tolist(), max_drafts=0) == []
+            assert lazy.context_cache.length == 0 and not calls  # nothing projected, no drafter forward
+            eager.propose(tokens[: end + 1].tolist(), max_drafts=7)
+            assert eager.context_cache.length == end
+        calls.clear()
+        drafts = lazy.propose(tokens.tolist(), max_drafts=7)
+    finally:
+        hook.remove()
+    assert lazy.context_cache.length == 11 and calls == [8]  # the whole context projected, then one block
+    assert drafts == eager.propose(tokens.tolist(), max_drafts=7)
+
+
 def test_drafter_for_another_target_is_rejected(tmp_path, tiny_llama):
     save_dflash(tiny_drafter(tiny_llama), tmp_path / "drafter")
     save_tiny_hf_model(tmp_path / "other", hidden_size=32, num_attention_heads=2, num_key_value_heads=1)

@@ -242,12 +242,15 @@ class DFlashProposer:
     @torch.inference_mode()
     def propose_batch(self, work: list[tuple["DFlashProposer", list[int], int]]) -> list[list[int]]:
         """Drafts for many sequences ((its proposer, its committed tokens, most drafts) each): one
-        drafter forward for all of their new context, one for all of their blocks."""
-        self._project_context([proposer for proposer, _, _ in work])
+        drafter forward for all of their new context, one for all of their blocks. A sequence that
+        drafts nothing this step (adaptive speculation chose 0) keeps its features pending: they
+        are projected, all at once, when it next drafts, so a drafter that is not drafting costs
+        nothing but the target's taps."""
         counts = [min(proposer.num_speculative_tokens, max_drafts) for proposer, _, max_drafts in work]
         drafting = [(proposer, tokens) for (proposer, tokens, _), count in zip(work, counts) if count > 0]
         if not drafting:
             return [[] for _ in work]
+        self._project_context([proposer for proposer, _ in drafting])
         # The context covers every committed token but the last, so each block starts at that token.
         cfg, block_size = self.drafter.config, self.drafter.config.block_size
         blocks = torch.full((len(drafting), block_size), cfg.mask_token_id)
