@@ -113,6 +113,31 @@ def test_distillation_resumes_and_refuses_a_truncated_shard_or_other_settings(tm
     assert shards[1].read_bytes() == truncated and shards[0].read_bytes() == written[shards[0]]  # nothing touched
 
 
+def test_responses_are_decoded_a_batch_at_a_time_each_as_it_would_alone(tiny_llama):
+    """Three sequences at once, a finished one's place going to the next prompt: every response is
+    the prompt's greedy decoding alone, in the prompts' order, with the EOS token kept."""
+    from specserve_runtime.drafters import NoDraft
+    from specserve_runtime.engine import Engine, Request
+
+    from .conftest import ByteTokenizer
+
+    eos = 2
+    engine = Engine(tiny_llama, ByteTokenizer(), NoDraft(), {eos})
+    prompts = [[5 + i, 6 + 2 * i, 7, 5 + i] for i in range(7)]
+    alone = []
+    for prompt in prompts:
+        sequence = engine.add(Request(prompt, 12))
+        while sequence.finish_reason is None:
+            engine.step([sequence])
+        alone.append(sequence.tokens[len(prompt):])
+    seen = []
+    responses = distilling.greedy_responses(engine, prompts, 12, batch_size=3, finished=seen.append)
+    assert responses == alone and sorted(map(tuple, seen)) == sorted(map(tuple, alone))
+    for response in responses:  # up to the limit, or up to and including the EOS token
+        assert len(response) == 12 or response[-1] == eos
+        assert eos not in response[:-1]
+
+
 def test_shards_of_unknown_origin_are_refused_with_the_file_and_line_named(tmp_path):
     folder = tmp_path / "data"
     folder.mkdir()
