@@ -6,12 +6,12 @@ serving engine itself, greedy, `batch_size` sequences decoding at once with a fi
 place going to the next prompt at once (continuous batching: each response is exactly what its
 prompt decodes alone, and what the runtime serves). On 2 cores that is 4.6x the tokens per
 second of transformers' batched generate, which waits for a batch's longest response and pads
-its prompts (docs/training.md). It writes one JSONL shard per chunk of prompts:
-an interrupted run resumes at the first missing shard. `distill.json` beside the shards records the settings (target,
-vocabulary, prompt file, split, length) and each shard's size and hash: a resume with other
-settings, or over a truncated or edited shard, is refused with the file named, and nothing
-written is touched. The target hidden states a drafter needs are not stored here: training
-computes them once per tap set and caches them beside the shards (train.py).
+its prompts (docs/training.md). It writes one JSONL shard per chunk of prompts: an interrupted
+run resumes at the first missing shard. `distill.json` beside the shards records the settings
+(target, vocabulary, prompt file, split, length, generator) and each shard's size and hash: a
+resume with other settings, or over a truncated or edited shard, is refused with the file named,
+and nothing written is touched. The target hidden states a drafter needs are not stored here:
+training computes them once per tap set and caches them beside the shards (train.py).
 """
 
 import hashlib
