@@ -16,7 +16,7 @@ from .analysis import Report, analyse
 from .apply import CHILD_KINDS, Cluster
 from .measure import MeasurementError, Pricing, ScrapeSource, Target, Window
 from .render import (Profile, Serving, Settings, Traffic, candidate_hash, planned_revisions, pods_to_keep, render_all,
-                     replica_budget, replica_ceiling, revision_hash, revisions)
+                     replica_budget, replica_ceiling, replica_room, revision_hash, revisions)
 from .rollout import Decision, Event, analysis_due, decide, parse_time, timestamp
 from .validate import check_against_profile, parse_profile, parse_serving
 
@@ -178,6 +178,14 @@ def autoscale_serving(cluster: Cluster, source, serving: Serving, profile: Profi
     return result
 
 
+def draining_pods(cluster: Cluster, serving: Serving) -> int:
+    """The serving's pods that terminate (deletionTimestamp set): still on their accelerators. The
+    label is checked here too, as in `children`."""
+    pods = cluster.list("v1", "Pod", serving.namespace, f"specserve.io/serving={serving.name}")
+    return sum(1 for pod in pods if (pod.get("metadata") or {}).get("deletionTimestamp")
+               and (pod["metadata"].get("labels") or {}).get("specserve.io/serving") == serving.name)
+
+
 def pod_urls(cluster: Cluster, serving: Serving, revision: str) -> tuple[str, ...]:
     """The ready pods of one revision, for scraping their /metrics directly."""
     selector = f"specserve.io/serving={serving.name},specserve.io/revision={revision}"
@@ -287,17 +295,23 @@ def reconcile(cluster: Cluster, body: dict, settings: Settings, source, now: dat
     outcome.events += scaling.events
     canary_ready = ready_replicas(deployments.get(f"{serving.name}-{candidate}")) if candidate else None
     stable_ready = ready_replicas(deployments.get(f"{serving.name}-{stable_hash}"))
-    total = replica_budget(spec, profile.spec, scaling.replicas)  # the autoscaler's count: without a start-up surge
+    draining = draining_pods(cluster, serving)
+    room = replica_room(replica_ceiling(spec, profile.spec), draining, sum(spec_replicas(d) for d in deployments.values()))
+    wanted = replica_budget(spec, profile.spec, scaling.replicas)  # the autoscaler's count: without a start-up surge
+    total = min(wanted, room)
+    if total < wanted:
+        scaling.conditions["BudgetLimited"] = (True, "DrainingPods", f"{draining} terminating pods still hold their accelerators: "
+                                               f"{total} of {wanted} replicas until they are gone")
     previous_pods = None
     if decision.stage in ("Stable", "Promoted"):  # one revision: older ones' pods go as its pods become ready
         replacing = f"{serving.name}-{candidate if decision.stage == 'Promoted' else stable_hash}"
         older = {name: d for name, d in deployments.items() if name != replacing}
         if older:
             previous_pods = pods_to_keep(total, ready_replicas(deployments.get(replacing)),
-                                         sum(spec_replicas(d) for d in older.values()), replica_ceiling(spec, profile.spec))
+                                         sum(spec_replicas(d) for d in older.values()), room)
             scale_older(cluster, serving.namespace, older, previous_pods, outcome)
     traffic = Traffic(decision.stage, decision.weight, canary_ready=canary_ready, stable_ready=stable_ready,
-                      drain_candidate=decision.drain_candidate, previous_pods=previous_pods)
+                      drain_candidate=decision.drain_candidate, previous_pods=previous_pods, room=room)
     revs = planned_revisions(spec, profile.spec, scaling.replicas, traffic)
     canary_revision = revs[1].hash if len(revs) > 1 else None
     traffic = replace(traffic, stable_backend=stable_backend(serving, revs[0].hash, revs[0].replicas, deployments,

@@ -57,7 +57,8 @@ class Traffic:
     revision's ready pods (None: not known), and drain_candidate: an aborted candidate keeps its
     ready pods while the stable's replacements start (rollout.drains); previous_pods: the pods that
     older revisions keep while the one revision of a Stable or Promoted stage replaces them after
-    a spec update or a promotion (pods_to_keep; None: none left); see planned_revisions.
+    a spec update or a promotion (pods_to_keep; None: none left); see planned_revisions. room: the
+    replica ceiling the pods still draining leave (replica_room; None: replica_ceiling).
     """
 
     stage: Literal["Stable", "Canary", "Aborted", "Promoted"] = "Stable"
@@ -67,6 +68,7 @@ class Traffic:
     stable_ready: int | None = None
     drain_candidate: bool = False
     previous_pods: int | None = None
+    room: int | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,15 @@ def replica_ceiling(spec: api.SpeculativeServingSpec, profile: api.ServingProfil
     if profile.limits.max_hourly_cost_usd is not None and cost_per_replica > 0:
         ceiling = min(ceiling, math.floor(profile.limits.max_hourly_cost_usd / cost_per_replica))
     return max(ceiling, 0)
+
+
+def replica_room(ceiling: int, draining: int, running: int) -> int:
+    """The replica ceiling for the pods a plan runs while `draining` pods of the serving terminate.
+    A pod removed by a scale-down (or with its revision) serves its last requests for up to its
+    grace period, on its accelerator and billed: the ceiling is a wall for it too, so a scale-up
+    within a drain waits for those pods to go. Never below the `running` pods the Deployments hold
+    now (within the ceiling): removing a running pod to make room would only add a draining one."""
+    return max(ceiling - draining, min(running, ceiling), 0)
 
 
 def replica_budget(spec: api.SpeculativeServingSpec, profile: api.ServingProfileSpec, wanted: int | None = None) -> int:
@@ -152,13 +163,14 @@ def planned_revisions(spec: api.SpeculativeServingSpec, profile: api.ServingProf
     they will replace. One Service spreads requests over all ready pods, so a pod removed before
     its replacement is ready is capacity lost for a whole start-up. Two cases: the stable while the
     candidate's pods start, and a draining aborted candidate (ReplicaRatio only: a route sends an
-    aborted candidate nothing) while the stable's start, never more than its ready pods. The surge
-    stays within replica_ceiling: the budget is a wall for it too. So while older revisions keep
+    aborted candidate nothing) while the stable's start, never more than its ready pods. The total
+    and the surge stay within the ceiling (traffic.room: replica_ceiling less the pods still
+    draining): the budget is a wall for them too. So while older revisions keep
     pods (after a spec update or a promotion; pods_to_keep says how many, and they go as the new
     revision's become ready), the new revision gets what the ceiling leaves beside them: at
     promotion at least its canary pods."""
-    revs = revisions(spec, replica_budget(spec, profile, wanted), traffic)
-    ceiling = replica_ceiling(spec, profile)
+    ceiling = replica_ceiling(spec, profile) if traffic.room is None else traffic.room
+    revs = revisions(spec, min(replica_budget(spec, profile, wanted), ceiling), traffic)
     if traffic.stage in ("Stable", "Promoted") and traffic.previous_pods:
         (replacing,) = revs
         return [replace(replacing, replicas=max(min(replacing.replicas, ceiling - traffic.previous_pods), 0))]

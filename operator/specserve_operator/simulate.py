@@ -49,7 +49,7 @@ from . import api, autoscale
 from .measure import MeasurementError, Pricing, Target, Window
 from .reconcile import effective_slo, reconcile
 from .render import Profile, Settings, candidate_hash, replica_budget, revision_hash
-from .rollout import Event
+from .rollout import Event, timestamp
 from .scenario import MethodPerformance, Scenario, ScenarioError, capacity_priors, load, truncated_normal
 
 NOISE_SIGMA = 0.05  # lognormal sigma of the measured p99s
@@ -159,6 +159,7 @@ class Pod:
     __slots__ = (
         "created",
         "decoding",
+        "drain_started",
         "draining",
         "gone",
         "id",
@@ -177,6 +178,7 @@ class Pod:
     def __init__(self, pod_id: int, model: RevisionModel, created: float):
         self.id, self.model, self.created = pod_id, model, created
         self.removed: float | None = None
+        self.drain_started: float | None = None
         self.ready = self.draining = self.gone = False
         self.running = 0  # admitted: prefilling or decoding
         self.prefilling: dict[int, Request] = {}
@@ -420,7 +422,7 @@ class Fleet:
     def remove(self, pod: Pod, t: float) -> None:
         """Scale-down: out of the Service at once; gone when its requests are done."""
         self.account(pod, t)
-        pod.draining = True
+        pod.draining, pod.drain_started = True, t
         if pod.ready:
             pod.ready = False
             self.ready_pods.remove(pod)
@@ -618,10 +620,21 @@ class SimulatedCluster:
         obj = self.objects.get(self._key(api_version, kind, namespace, name))
         return None if obj is None else self._view(obj)
 
+    def pods(self) -> list[dict]:
+        """The fleet's pods as the API lists them: a draining one (scaled down, finishing its
+        requests) has a deletionTimestamp; no podIP (the simulated Prometheus measures them)."""
+        return [{"apiVersion": "v1", "kind": "Pod",
+                 "metadata": {"name": f"{SERVING}-{pod.model.hash}-{pod.id}", "namespace": NAMESPACE,
+                              "labels": {"specserve.io/serving": SERVING, "specserve.io/revision": pod.model.hash},
+                              **({"deletionTimestamp": timestamp(at(pod.drain_started))} if pod.draining else {})},
+                 "status": {"conditions": [{"type": "Ready", "status": str(pod.ready)}]}}
+                for pod in self.fleet.live]
+
     def list(self, api_version: str, kind: str, namespace: str | None, label_selector: str = "") -> list[dict]:
         wanted = dict(term.split("=", 1) for term in label_selector.split(",") if term)
-        return [self._view(obj) for (v, k, ns, _), obj in self.objects.items()
-                if (v, k) == (api_version, kind) and namespace in (None, ns)
+        objects = self.pods() if (api_version, kind) == ("v1", "Pod") else [
+            self._view(obj) for (v, k, _, _), obj in self.objects.items() if (v, k) == (api_version, kind)]
+        return [obj for obj in objects if namespace in (None, obj["metadata"].get("namespace"))
                 and wanted.items() <= (obj["metadata"].get("labels") or {}).items()]
 
     def apply(self, obj: dict) -> str:

@@ -122,6 +122,36 @@ async def test_a_spec_change_at_the_replica_ceiling_replaces_pods_one_at_a_time(
     assert scaled == [{"spec": {"replicas": 1}}, {"spec": {"replicas": 0}}]  # its replica count alone, twice
 
 
+async def test_a_scale_up_waits_for_the_serving_s_terminating_pods(operator, serving, profile):
+    """Two of the serving's pods still terminate (a scale-down's, draining on their GPUs): with the
+    profile's maxReplicas at 4, a `kubectl scale` to 4 gets 2 until they are gone."""
+    await create(operator, profile)
+    await create(operator, with_uid(serving))
+    name = (await eventually(lambda: live(operator, DEPLOYMENTS)))[0]
+    await set_ready(operator, name, 2)
+    client = cluster_client(operator)
+    # A finalizer stands in for the kubelet: a pod stays, terminating, until its containers exit.
+    pods = [{"apiVersion": "v1", "kind": "Pod",
+             "metadata": {"name": f"{owner}-{i}", "namespace": "team-a", "finalizers": ["test/kubelet"],
+                          "labels": {"specserve.io/serving": owner}}}
+            for owner in ("qwen3-8b", "other") for i in range(2)]  # another serving's are not ours to count
+    for pod in pods:
+        await create(operator, pod)
+        await asyncio.to_thread(client._call, "DELETE", client._path("v1", "Pod", "team-a", pod["metadata"]["name"]))
+    await merge_patch(operator, serving, {"spec": {"replicas": {"desired": 4}}})
+
+    def budget_limited():
+        return next((c for c in status_of(operator).get("conditions", []) if c["type"] == "BudgetLimited"), {})
+
+    assert await eventually(lambda: budget_limited().get("reason") == "DrainingPods")
+    assert budget_limited()["message"] == "2 terminating pods still hold their accelerators: 2 of 4 replicas until they are gone"
+    assert operator.objects[DEPLOYMENTS, "team-a", name]["spec"]["replicas"] == 2
+    for pod in pods[:2]:  # their containers exit
+        await merge_patch(operator, pod, {"metadata": {"finalizers": None}})
+    assert await eventually(lambda: operator.objects[DEPLOYMENTS, "team-a", name]["spec"]["replicas"] == 4)
+    assert await eventually(lambda: budget_limited()["status"] == "False")  # the status is patched after the apply
+
+
 def slow_api(monkeypatch, seconds):
     """A slow API server: with 0.3 s resyncs, some reconcile is nearly always in flight."""
     from specserve_operator.apply import Cluster

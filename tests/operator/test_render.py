@@ -14,6 +14,7 @@ from specserve_operator.render import (
     pods_to_keep,
     render_all,
     replica_budget,
+    replica_room,
     revision_hash,
     split_replicas,
 )
@@ -357,6 +358,30 @@ def test_older_revisions_keep_the_pods_not_yet_replaced_within_the_ceiling():
     assert pods_to_keep(2, 1, 1, 2) == 0
     assert pods_to_keep(6, 3, 3, 6) == 2  # 3 ready, and only 3 + 3 = 6: one goes for the fourth
     assert pods_to_keep(2, 0, 0, 2) == 0  # nothing older
+
+
+def test_pods_still_draining_hold_their_place_under_the_ceiling_but_never_remove_running_ones():
+    assert replica_room(6, 0, 2) == 6  # nothing draining: the ceiling
+    assert replica_room(6, 4, 2) == 2  # a scale-down from 6 to 2 drains 4: no room to grow
+    assert replica_room(6, 2, 2) == 4
+    assert replica_room(6, 4, 5) == 5  # 5 running already (over the wall while 4 drain): none is removed for room
+    assert replica_room(6, 1, 9) == 6  # the ceiling was lowered below what runs: down to it
+    assert replica_room(6, 9, 0) == 0
+
+
+def test_a_scale_up_waits_for_the_draining_pods_within_the_ceiling(example_documents):
+    serving, profile, _ = parsed(example_documents)
+    spec = serving.spec.model_copy(update={"replicas": serving.spec.replicas.model_copy(update={"min": 1, "max": 8})})
+    serving = serving.__class__(serving.name, serving.namespace, None, spec)
+
+    def replicas(wanted, traffic):
+        return [d["spec"]["replicas"] for d in of_kind(render_all(serving, profile, Settings(), traffic, wanted), "Deployment")]
+
+    assert replicas(6, Traffic(room=None)) == [6]
+    assert replicas(6, Traffic(room=replica_room(8, 4, 2))) == [4]
+    assert replicas(1, Traffic(room=replica_room(8, 4, 2))) == [1]  # a scale-down is never held
+    # a starting canary's surge stays within the room too
+    assert replicas(4, Traffic("Canary", 50, canary_ready=0, room=5)) == [3, 2]
 
 
 def test_a_promotion_starts_only_the_pods_the_budget_leaves_beside_the_previous_stables(example_documents):

@@ -244,6 +244,41 @@ def test_node_loss_fails_the_lost_requests_and_the_replicas_come_back(tmp_path):
     assert all(sum(r.desired.values()) == 4 for r in hurt.ticks)
 
 
+def test_a_scale_up_within_a_drain_waits_for_the_draining_pods_and_the_budget_holds(monkeypatch):
+    """`kubectl scale` from 6 (the budget's count) to 2 and back to 6 fifteen seconds later, while the
+    4 removed pods still finish their long requests (billed): the new pods wait for them to go, the
+    condition says why, and the fleet never runs more than the budget pays for."""
+    doc = document("budget-cap-spike")
+    doc["load"] = {"requestsPerSecond": [{"atSeconds": 0, "requestsPerSecond": 1.5}],
+                   "promptTokens": 200, "outputTokens": {"mean": 3000, "stddev": 100}}
+    doc["serving"]["autoscaling"]["enabled"] = False
+    doc["serving"]["replicas"]["desired"] = 6
+    doc["durationSeconds"] = 450
+    scenario = scenario_module.Scenario.model_validate(doc)
+    assert replica_budget(scenario.serving, scenario.profile) == 6
+    seen = {}  # t -> (replicas the Deployment has, pods draining, BudgetLimited reason)
+    original = simulate.Operator.tick
+
+    def scale_and_watch(self, now_s, outage):
+        if now_s in (120, 135):
+            replicas = scenario.serving.replicas.model_copy(update={"desired": 2 if now_s == 120 else 6})
+            self.cluster.update_spec(scenario.serving.model_copy(update={"replicas": replicas}))
+        record, events = original(self, now_s, outage)
+        conditions = {c["type"]: c for c in self.cluster.status()["conditions"]}
+        seen[now_s] = (sum(record.desired.values()), sum(p.draining for p in self.cluster.fleet.live),
+                       conditions["BudgetLimited"]["reason"])
+        return record, events
+
+    monkeypatch.setattr(simulate.Operator, "tick", scale_and_watch)
+    run_ = simulate.simulate(scenario, simulate.arrivals(scenario, 1), 1)
+    assert seen[120] == (2, 4, "MaxHourlyCost")  # replicas.max is 10; the budget pays for 6
+    assert seen[135] == (2, 4, "DrainingPods")  # held: 4 still drain
+    drained = min(t for t, (_, draining, _) in seen.items() if t > 120 and draining == 0)
+    assert drained > 135 and seen[drained] == (6, 0, "MaxHourlyCost")  # all 6 once they are gone, not before
+    assert all(replicas + draining <= 6 for replicas, draining, _ in seen.values())
+    assert run_.fleet.max_billed == 6
+
+
 def test_without_autoscaling_the_replicas_stay_at_the_budgeted_count():
     doc = document("budget-cap-spike")
     doc["serving"]["autoscaling"]["enabled"] = False
