@@ -48,7 +48,7 @@ half down. No data holds the current count.
 import datetime
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import api
 from .capacity import OBSERVATIONS, Capacity, Point, fit
@@ -350,6 +350,10 @@ def tick(
         demand = planned(measured, points, spec.autoscaling.scale_up_stabilization_seconds + startup_seconds)
     decision = decide(current, demand, capacities, slo, limits(spec, profile, canary), spec.autoscaling,
                       [(r.at, r.replicas) for r in status.recommendations], now, missing)
+    queueing = [f"{w.revision} queues {w.waiting_per_replica:.1f} of {w.in_flight_per_replica:.1f} requests per replica"
+                for w in windows if w.missing is None and saturated(w)]
+    if queueing:  # say why the window's latencies did not move the capacity model
+        decision = replace(decision, reason=f"{decision.reason}; {', '.join(queueing)}: demand, not a capacity observation")
     changed = decision.replicas != current
     new_status = api.AutoscalingStatus(
         desired_replicas=decision.replicas,

@@ -108,14 +108,16 @@ def test_a_saturated_window_is_not_a_capacity_observation():
 
     status = api.AutoscalingStatus()
     # a short wait for the batch (a twentieth of the time in the system) is the replica's own curve
-    status, _ = tick(status, [window(20.0, 1.0)], ["abc"], {}, spec, profile, profile.slo, 2, False, T0,
-                     startup_seconds=120)
-    assert [o.in_flight_per_replica for o in status.observations] == [20.0]
+    status, decision = tick(status, [window(20.0, 1.0)], ["abc"], {}, spec, profile, profile.slo, 2, False, T0,
+                            startup_seconds=120)
+    assert [o.in_flight_per_replica for o in status.observations] == [20.0] and "queues" not in decision.reason
     # 300 in flight of which 280 queue: the backlog, not the replica; still demand, not capacity
     status, decision = tick(status, [window(300.0, 280.0)], ["abc"], {}, spec, profile, profile.slo, 2, False,
                             T0 + datetime.timedelta(seconds=30), startup_seconds=120)
     assert [o.in_flight_per_replica for o in status.observations] == [20.0]
     assert status.demand_measured_requests_per_second == 3.0  # saturated: 90 arrived in 30 s
+    assert decision.reason.endswith("; abc queues 280.0 of 300.0 requests per replica: demand, not a capacity observation")
+    assert status.reason == decision.reason
 
 
 def test_without_spread_the_model_assumes_fixed_throughput():
