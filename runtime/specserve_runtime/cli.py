@@ -471,7 +471,8 @@ def build_parser() -> Parser:
     distill.add_argument("--split", default="train", choices=["train", "eval"])
     distill.add_argument("--model", default=DEFAULT_MODEL)
     distill.add_argument("--max-new-tokens", type=int, default=160)
-    distill.add_argument("--batch-size", type=int, default=16, help="sequences decoding at once (default 16)")
+    distill.add_argument("--batch-size", type=int, default=128,
+                         help="sequences decoding at once (default 128: a whole shard)")
     distill.add_argument("--limit", type=int, help="only the first N prompts")
     distill.set_defaults(run=cmd_distill)
 

@@ -4,13 +4,13 @@ The drafter must predict what the target will say, so it learns from the target'
 (chat template applied, as served), not from human-written answers. Generation runs on the
 serving engine itself, greedy, `batch_size` sequences decoding at once with a finished one's
 place going to the next prompt at once (continuous batching: each response is exactly what its
-prompt decodes alone, and what the runtime serves). On 2 cores that is 4.6x the tokens per
-second of transformers' batched generate, which waits for a batch's longest response and pads
-its prompts (docs/training.md). It writes one JSONL shard per chunk of prompts: an interrupted
-run resumes at the first missing shard. `distill.json` beside the shards records the settings
-(target, vocabulary, prompt file, split, length, generator) and each shard's size and hash: a
-resume with other settings, or over a truncated or edited shard, is refused with the file named,
-and nothing written is touched. The target hidden states a drafter needs are not stored here:
+prompt decodes alone, and what the runtime serves). On 2 cores, at batch 16, that is 4.6x the
+tokens per second of transformers' batched generate, which waits for a batch's longest response
+and pads its prompts; batch 128 adds 1.31x (docs/training.md). It writes one JSONL shard per
+chunk of prompts: an interrupted run resumes at the first missing shard. `distill.json` beside
+the shards records the settings (target, vocabulary, prompt file, split, length, generator) and
+each shard's size and hash: a resume with other settings, or over a truncated or edited shard, is
+refused with the file named, and nothing written is touched. The target hidden states a drafter needs are not stored here:
 training computes them once per tap set and caches them beside the shards (train.py).
 """
 
@@ -36,7 +36,7 @@ def distill(
     split: str = "train",
     model: str = "SmolLM2-135M-Instruct",
     max_new_tokens: int = 160,
-    batch_size: int = 16,
+    batch_size: int = 128,
     limit: int | None = None,
     log=print,
 ) -> Path:
