@@ -106,3 +106,16 @@ def test_the_runtime_images_embed_the_drafters_where_the_rendered_config_points(
             assert container["image"] == api.RUNTIME_IMAGES[engine]
             # The image's own command is the one the operator renders: the image runs the same way alone.
             assert instructions(stages()[target], "CMD") == [json.dumps(container["args"])]
+
+
+def test_the_build_context_keeps_what_the_dockerfile_copies_and_leaves_out_the_rest():
+    # .dockerignore entries are plain paths here (no patterns that need Docker's matcher to read).
+    ignored = [line for line in Path(".dockerignore").read_text().splitlines() if line and not line.startswith("#")]
+    sources = [source.rstrip("/") for stage in stages().values() for line in instructions(stage, "COPY")
+               for source in line.split()[:-1]]  # the last word is the destination
+    assert "runtime" in sources and "operator" in sources
+    for source in sources:
+        assert not any(source == entry or source.startswith(entry + "/") for entry in ignored), source
+        assert Path(source).exists(), source
+    # Environments, history and the distilled training data never reach the daemon.
+    assert {".git", ".venv", "runtime/data", "specserve-demo"} <= set(ignored)
