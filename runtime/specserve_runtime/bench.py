@@ -123,16 +123,21 @@ def _median_run(run, repeats: int):
 
 
 def method_spec(name: str) -> tuple[str, ProposerOptions]:
-    """'dflash', or 'dflash:3' for 3 speculative tokens per step -> the method and its proposer options."""
-    method, _, tokens = name.partition(":")
+    """'dflash', 'dflash:3' for 3 speculative tokens per step, 'dflash@FOLDER' or 'dflash:3@FOLDER'
+    for a drafter other than the bundled one (a training run's drafter/) -> the method and its
+    proposer options."""
+    spec, _, folder = name.partition("@")
+    method, _, tokens = spec.partition(":")
     if tokens and not (tokens.isdigit() and int(tokens) >= 1):
         raise ValueError(f"{name!r}: the number after ':' is the speculative tokens per step, an integer >= 1")
-    return method, ProposerOptions(num_speculative_tokens=int(tokens) if tokens else None)
+    if "@" in name and not folder:
+        raise ValueError(f"{name!r}: a drafter folder follows '@'")
+    return method, ProposerOptions(drafter=folder or None, num_speculative_tokens=int(tokens) if tokens else None)
 
 
 def run_bench(model: LoadedModel, methods: list[str], baselines: list[Baseline], prompts: list[dict],
               max_new_tokens: int, repeats: int, temperature: float, log=print) -> dict[str, MethodStats]:
-    engines = {m: build_engine(model, *method_spec(m)) for m in methods}  # eagle3 / dflash: the bundled drafters
+    engines = {m: build_engine(model, *method_spec(m)) for m in methods}  # eagle3 / dflash: bundled unless @FOLDER
     encoded = [model.encode(record["prompt"]) for record in prompts]
     context = max(map(len, encoded)) + max_new_tokens + PROMPT_LOOKUP_TOKENS + 1  # the last step's drafts fit
     runners = baseline_runners(model, baselines, context, torch.get_num_threads(), log)

@@ -255,9 +255,17 @@ def cmd_bench(args) -> None:
     from .training.prompts import PROMPTS_FILE
 
     methods = [m for m in args.methods.split(",") if m]
-    unknown = [m for m in methods if method_spec(m)[0] not in METHODS]
+    try:
+        specs = {m: method_spec(m) for m in methods}
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    unknown = [m for m, (method, _) in specs.items() if method not in METHODS]
     if unknown:
         raise UsageError(f"unknown method: {', '.join(unknown)} (methods {', '.join(METHODS)})")
+    missing = [m for m, (_, options) in specs.items()
+               if options.drafter not in (None, "random") and not Path(options.drafter, "config.json").is_file()]
+    if missing:
+        raise UsageError(f"no drafter (config.json) in the folder of: {', '.join(missing)}")
     try:
         baselines = parse_baselines(args.baselines)
     except ValueError as exc:
@@ -440,7 +448,8 @@ def build_parser() -> Parser:
 
     bench = commands.add_parser("bench", help="methods side by side: acceptance, tokens/s, speed-up, losslessness")
     bench.add_argument("--methods", default="ar,ngram,eagle3,dflash",
-                       help="comma list; METHOD:K drafts K tokens per step (e.g. dflash:3), else the drafter's default")
+                       help="comma list; METHOD:K drafts K tokens per step (e.g. dflash:3), else the drafter's default; "
+                       "METHOD[:K]@FOLDER benches the drafter in FOLDER (e.g. a training run's drafter/) instead of the bundled one")
     bench.add_argument("--baselines", help="comma list: hf (transformers generate), prompt-lookup (its assisted mode), "
                        "llamacpp-q4_1 and llamacpp-q8_0 (llama.cpp on the GGUF weights; pip install "
                        "'specserve[llamacpp]'), each with -lookup for llama.cpp's prompt lookup; llamacpp: all four")

@@ -185,10 +185,11 @@ class LocalServer:
 
 
 def serve_arguments(name: str) -> list[str]:
-    """A bench method ('dflash', 'dflash:3') as `specserve serve` flags."""
+    """A bench method ('dflash', 'dflash:3', 'dflash:3@FOLDER') as `specserve serve` flags."""
     method, options = method_spec(name)
     tokens = options.num_speculative_tokens
-    return ["--method", method] + (["--num-speculative-tokens", str(tokens)] if tokens else [])
+    return (["--method", method] + (["--num-speculative-tokens", str(tokens)] if tokens else [])
+            + (["--drafter", options.drafter] if options.drafter else []))
 
 
 def performance_block(results: dict[str, dict], max_num_seqs: int) -> dict:

@@ -56,9 +56,42 @@ def test_method_spec_sets_the_speculative_tokens():
 
     assert method_spec("dflash") == ("dflash", ProposerOptions())
     assert method_spec("dflash:3") == ("dflash", ProposerOptions(num_speculative_tokens=3))
-    for bad in ("dflash:0", "dflash:x"):
+    for bad in ("dflash:0", "dflash:x", "dflash:0@/runs/a/drafter"):
         with pytest.raises(ValueError, match="speculative tokens per step"):
             method_spec(bad)
+
+
+def test_method_spec_names_a_drafter_folder_after_the_at_sign():
+    from specserve_runtime.bench import method_spec
+
+    assert method_spec("dflash@/runs/a/drafter") == ("dflash", ProposerOptions(drafter="/runs/a/drafter"))
+    assert method_spec("eagle3:2@runs/b") == ("eagle3", ProposerOptions(drafter="runs/b", num_speculative_tokens=2))
+    with pytest.raises(ValueError, match="a drafter folder follows '@'"):
+        method_spec("dflash:3@")
+
+
+def test_bench_refuses_a_drafter_folder_without_a_drafter_before_loading_anything(capsys, tmp_path):
+    from specserve_runtime.cli import main
+
+    assert main(["bench", "--methods", f"ar,dflash:3@{tmp_path}", "--limit", "1"]) == 2
+    assert f"no drafter (config.json) in the folder of: dflash:3@{tmp_path}" in capsys.readouterr().err
+    assert main(["bench", "--methods", "ar,dflash:x", "--limit", "1"]) == 2
+    assert "the speculative tokens per step" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_runs_the_drafter_of_the_folder_it_is_given(capsys):
+    from specserve_runtime.cli import main
+    from specserve_runtime.drafters import DEFAULT_DRAFTERS
+
+    # The bundled drafter named by its folder is the bundled drafter; a random one is another drafter.
+    bundled = DEFAULT_DRAFTERS["eagle3"]
+    methods = f"ar,eagle3:2,eagle3:2@{bundled},eagle3:2@random"
+    assert main(["bench", "--methods", methods, "--limit", "2", "--max-new-tokens", "24", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["methods"]
+    assert all(rows[m]["lossless"] for m in methods.split(","))
+    assert rows[f"eagle3:2@{bundled}"]["acceptance_length"] == rows["eagle3:2"]["acceptance_length"] > 1.1
+    assert rows["eagle3:2@random"]["acceptance_length"] < rows["eagle3:2"]["acceptance_length"]
 
 
 def test_the_performance_block_is_what_simulate_and_the_operator_read(tmp_path):
@@ -208,6 +241,7 @@ def test_a_bench_variant_becomes_serve_flags():
 
     assert serve_arguments("dflash:3") == ["--method", "dflash", "--num-speculative-tokens", "3"]
     assert serve_arguments("ar") == ["--method", "ar"]
+    assert serve_arguments("eagle3@runs/b/drafter") == ["--method", "eagle3", "--drafter", "runs/b/drafter"]
 
 
 @pytest.mark.slow
