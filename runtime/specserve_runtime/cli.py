@@ -262,6 +262,9 @@ def cmd_bench(args) -> None:
     unknown = [m for m, (method, _) in specs.items() if method not in METHODS]
     if unknown:
         raise UsageError(f"unknown method: {', '.join(unknown)} (methods {', '.join(METHODS)})")
+    needless = [m for m, (method, options) in specs.items() if options.drafter and method not in ("eagle3", "dflash")]
+    if needless:
+        raise UsageError(f"only eagle3 and dflash read a drafter folder: {', '.join(needless)}")
     missing = [m for m, (_, options) in specs.items()
                if options.drafter not in (None, "random") and not Path(options.drafter, "config.json").is_file()]
     if missing:

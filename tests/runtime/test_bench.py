@@ -75,6 +75,8 @@ def test_bench_refuses_a_drafter_folder_without_a_drafter_before_loading_anythin
 
     assert main(["bench", "--methods", f"ar,dflash:3@{tmp_path}", "--limit", "1"]) == 2
     assert f"no drafter (config.json) in the folder of: dflash:3@{tmp_path}" in capsys.readouterr().err
+    assert main(["bench", "--methods", f"ar,ngram@{tmp_path}", "--limit", "1"]) == 2
+    assert f"only eagle3 and dflash read a drafter folder: ngram@{tmp_path}" in capsys.readouterr().err
     assert main(["bench", "--methods", "ar,dflash:x", "--limit", "1"]) == 2
     assert "the speculative tokens per step" in capsys.readouterr().err
 
