@@ -348,21 +348,22 @@ def check_llamacpp_baselines(model: str) -> None:
 
 
 def bench_server(args, methods: list[str], prompts: list[str]) -> None:
-    """Closed-loop load at each --concurrency: against --url, or a `specserve serve` per method."""
-    from contextlib import nullcontext
+    """Closed-loop load at each --concurrency: against --url, or a `specserve serve` per method,
+    all running, the methods taking turns at each level (--repeats rounds)."""
+    from contextlib import ExitStack
 
     from specserve_operator.canary import CanaryFailure
 
-    from .load_bench import LocalServer, measure_server, performance_block, serve_arguments, table
+    from .load_bench import LocalServer, measure_servers, performance_block, serve_arguments, table
 
     concurrencies = _int_list(args.concurrency, "--concurrency")
     if not concurrencies or min(concurrencies) < 1 or concurrencies != sorted(set(concurrencies)):
         raise UsageError(f"--concurrency takes increasing integers >= 1, got {args.concurrency!r}")
     if args.requests_per_client < 1:
         raise UsageError(f"--requests-per-client must be >= 1, got {args.requests_per_client}")
-    if args.kernels or args.baselines or args.temperature or args.repeats != 1:
-        raise UsageError("--concurrency measures greedy serving: --kernels, --baselines, --temperature and "
-                         "--repeats are for the in-process bench")
+    if args.kernels or args.baselines or args.temperature:
+        raise UsageError("--concurrency measures greedy serving: --kernels, --baselines and --temperature are "
+                         "for the in-process bench")
     if args.url and len(methods) != 1:
         raise UsageError(f"--url benches the one method that server runs: name it with --methods (got {args.methods})")
 
@@ -370,18 +371,19 @@ def bench_server(args, methods: list[str], prompts: list[str]) -> None:
         print(message, file=sys.stderr, flush=True)
 
     batch = max(concurrencies)
-    results = {}
-    for method in methods:
-        log(f"{method}: {len(prompts)} prompts, {args.requests_per_client} requests per client, "
-            f"concurrency {', '.join(map(str, concurrencies))}")
-        server = nullcontext(args.url.rstrip("/")) if args.url else LocalServer(method, args.model, batch,
-                                                                               serve_arguments(method))
-        try:
-            with server as url:
-                results[method] = measure_server(url, prompts, concurrencies, args.requests_per_client,
-                                                 args.max_new_tokens, log)
-        except CanaryFailure as exc:  # the server did not start: its log's last lines name why
-            raise UsageError(f"bench --concurrency: {exc}") from exc
+    log(f"{', '.join(methods)}: {len(prompts)} prompts, {args.requests_per_client} requests per client, "
+        f"concurrency {', '.join(map(str, concurrencies))}, {args.repeats} round(s) per level")
+    with ExitStack() as servers:
+        if args.url:
+            urls = {methods[0]: args.url.rstrip("/")}
+        else:
+            try:
+                urls = {method: servers.enter_context(LocalServer(method, args.model, batch, serve_arguments(method)))
+                        for method in methods}
+            except CanaryFailure as exc:  # a server did not start: its log's last lines name why
+                raise UsageError(f"bench --concurrency: {exc}") from exc
+        results = measure_servers(urls, prompts, concurrencies, args.repeats, args.requests_per_client,
+                                  args.max_new_tokens, log)
     print(table(results))
     if args.emit_performance:
         write_performance(performance_block(results, batch), Path(args.emit_performance))
@@ -462,7 +464,9 @@ def build_parser() -> Parser:
     bench.add_argument("--per-category", type=int, default=4, help="held-out prompts per category (default 4)")
     bench.add_argument("--limit", type=int)
     bench.add_argument("--max-new-tokens", type=int, default=128)
-    bench.add_argument("--repeats", type=int, default=1)
+    bench.add_argument("--repeats", type=int, default=1,
+                       help="in process: each timing the median of R runs; with --concurrency: R rounds per "
+                            "level, the methods taking turns (default 1)")
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--kernels", action="store_true", help="also time one decode step against the matmul floor")
     bench.add_argument("--json", action="store_true", help="the last line of stdout is a JSON summary")

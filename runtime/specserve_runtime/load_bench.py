@@ -6,8 +6,11 @@ Time to first token is measured per request; the inter-token latency is the gap 
 chunks, as vLLM's benchmark_serving measures it (a speculative step sends several tokens in one
 chunk). Token counts come from the server's usage report.
 
-Without --url, bench starts `specserve serve` for each method in turn, with a batch as large as
-the highest concurrency, so one run measures every method on the same machine, prompts and load.
+Without --url, bench starts one `specserve serve` per method, each with a batch as large as the
+highest concurrency, all at once (an idle server waits on its queue and costs no CPU). At each
+concurrency the methods take turns, `repeats` rounds, each round starting with the next method, so
+a drift of the machine's speed over minutes falls on every method alike; a method's ratio to plain
+decoding is the median of its rounds' ratios to the ar level measured beside it.
 """
 
 import asyncio
@@ -128,26 +131,52 @@ def acceptance_length(metrics_text: str) -> float:
     return 1 + values.get((ACCEPTED, ""), 0.0) / drafts if drafts else 1.0
 
 
+def served_acceptance_length(url: str) -> float:
+    """The server's acceptance length so far, from its own counters."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        return round(acceptance_length(response.read().decode()), 3)
+
+
 def served_model(url: str) -> str:
     with urllib.request.urlopen(url + "/v1/models", timeout=10) as response:
         return json.load(response)["data"][0]["id"]
 
 
-def measure_server(url: str, prompts: list[str], concurrencies: list[int], requests_per_client: int,
-                   max_tokens: int, log=print) -> dict:
-    """Every concurrency level against one running server, lowest first, after one warm-up request."""
-    model = served_model(url)
-    asyncio.run(run_level(url, model, prompts[:1], 1, 1, 8))
-    levels = []
+def summarise_rounds(rounds: list[Level]) -> dict:
+    """One concurrency measured in several rounds: latencies over all their requests, throughput
+    over their summed wall time, and each round's own throughput (`rounds`, for ratios against a
+    method measured in the same round)."""
+    pooled = Level(rounds[0].concurrency, wall_seconds=sum(level.wall_seconds for level in rounds),
+                   requests=[request for level in rounds for request in level.requests],
+                   errors=sum(level.errors for level in rounds))
+    return pooled.summary() | {"rounds": [level.summary()["output_tokens_per_second"] for level in rounds]}
+
+
+def measure_servers(urls: dict[str, str], prompts: list[str], concurrencies: list[int], repeats: int,
+                    requests_per_client: int, max_tokens: int, log=print) -> dict[str, dict]:
+    """Every concurrency level, lowest first, against each method's running server (`urls`: method
+    -> base URL), the methods taking turns `repeats` times per level, after one warm-up request each."""
+    methods = list(urls)
+    models = {method: served_model(url) for method, url in urls.items()}
+    for method, url in urls.items():
+        asyncio.run(run_level(url, models[method], prompts[:1], 1, 1, 8))
+    results = {method: {"levels": []} for method in methods}
     for concurrency in concurrencies:
-        level = asyncio.run(run_level(url, model, prompts, concurrency, requests_per_client, max_tokens)).summary()
-        levels.append(level)
-        log(f"  concurrency {concurrency}: {level['output_tokens_per_second']} tok/s in total, "
-            f"{level['tokens_per_second_per_request']} per request, p99 ITL {level['itl_p99_ms']} ms, "
-            f"p99 TTFT {level['ttft_p99_ms']} ms, {level['errors']} errors")
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
-        tau = acceptance_length(response.read().decode())
-    return {"acceptance_length": round(tau, 3), "levels": levels}
+        rounds = {method: [] for method in methods}
+        for number in range(repeats):
+            start = number % len(methods)  # no method always runs first, or always after the same one
+            for method in methods[start:] + methods[:start]:
+                rounds[method].append(asyncio.run(run_level(urls[method], models[method], prompts, concurrency,
+                                                            requests_per_client, max_tokens)))
+        for method in methods:
+            level = summarise_rounds(rounds[method])
+            results[method]["levels"].append(level)
+            log(f"  {method}, concurrency {concurrency}: {level['output_tokens_per_second']} tok/s in total "
+                f"(rounds {level['rounds']}), {level['tokens_per_second_per_request']} per request, "
+                f"p99 ITL {level['itl_p99_ms']} ms, p99 TTFT {level['ttft_p99_ms']} ms, {level['errors']} errors")
+    for method, url in urls.items():
+        results[method]["acceptance_length"] = served_acceptance_length(url)
+    return results
 
 
 class LocalServer:
@@ -211,9 +240,19 @@ def performance_block(results: dict[str, dict], max_num_seqs: int) -> dict:
     return block
 
 
+def ratio_to_plain(level: dict, plain: dict) -> float:
+    """Total tokens/s against plain decoding's at the same concurrency: the median of the rounds'
+    ratios when both were measured in the same rounds (each pair shares the machine's speed of its
+    minute), else the ratio of the totals."""
+    rounds, plain_rounds = level.get("rounds", []), plain.get("rounds", [])
+    if rounds and len(rounds) == len(plain_rounds) and all(base > 0 for base in plain_rounds):
+        return statistics.median(tokens / base for tokens, base in zip(rounds, plain_rounds))
+    return level["output_tokens_per_second"] / plain["output_tokens_per_second"]
+
+
 def table(results: dict[str, dict]) -> str:
     """One row per method and concurrency; the ratio column compares with plain decoding at that concurrency."""
-    plain = {level["concurrency"]: level["output_tokens_per_second"] for level in results.get("ar", {}).get("levels", [])}
+    plain = {level["concurrency"]: level for level in results.get("ar", {}).get("levels", [])}
     header = ("method", "concurrency", "total tok/s", "vs ar", "tok/s per request", "ITL p50/p99 ms",
               "TTFT p50/p99 ms", "errors")
     rows = [header]
@@ -222,7 +261,7 @@ def table(results: dict[str, dict]) -> str:
             base = plain.get(level["concurrency"])
             rows.append((
                 name, str(level["concurrency"]), f"{level['output_tokens_per_second']:.1f}",
-                f"{level['output_tokens_per_second'] / base:.2f}x" if base else "-",
+                f"{ratio_to_plain(level, base):.2f}x" if base and base["output_tokens_per_second"] else "-",
                 f"{level['tokens_per_second_per_request']:.1f}",
                 f"{level['itl_p50_ms']}/{level['itl_p99_ms']}", f"{level['ttft_p50_ms']}/{level['ttft_p99_ms']}",
                 str(level["errors"]),

@@ -167,6 +167,52 @@ def test_a_load_level_summarises_throughput_latency_and_errors():
     assert summary["ttft_p50_ms"] == 600.0 and summary["errors"] == 1 and summary["requests"] == 2
 
 
+def test_rounds_pool_their_requests_and_keep_each_rounds_throughput():
+    from specserve_runtime.load_bench import Level, RequestTiming, summarise_rounds
+
+    request = RequestTiming(ttft=0.1, seconds=1.1, tokens=11, gaps=[0.1] * 10)
+    summary = summarise_rounds([Level(1, wall_seconds=1.0, requests=[request]),
+                                Level(1, wall_seconds=2.0, requests=[request], errors=1)])
+    assert summary["rounds"] == [11.0, 5.5]  # each round's own tokens / wall seconds
+    assert summary["output_tokens_per_second"] == round(22 / 3, 2) and summary["requests"] == 2
+    assert summary["errors"] == 1 and summary["concurrency"] == 1
+
+
+def test_the_ratio_to_plain_decoding_is_the_median_of_ratios_measured_in_the_same_rounds():
+    from specserve_runtime.load_bench import ratio_to_plain
+
+    plain = {"output_tokens_per_second": 13.33, "rounds": [10.0, 20.0, 10.0]}  # a fast minute in round 2
+    method = {"output_tokens_per_second": 14.0, "rounds": [11.0, 19.0, 12.0]}
+    assert ratio_to_plain(method, plain) == 1.1  # median of 1.1, 0.95, 1.2; the totals would say 1.05
+    assert ratio_to_plain({"output_tokens_per_second": 14.0}, plain) == 14.0 / 13.33  # not measured in rounds
+
+
+def test_served_methods_take_turns_at_each_concurrency_each_round_starting_with_the_next(monkeypatch):
+    from specserve_runtime import load_bench
+
+    calls = []
+
+    async def fake_level(url, model, prompts, concurrency, requests_per_client, max_tokens):
+        calls.append((url, concurrency))
+        rate = {"u-ar": 10.0, "u-ngram": 12.0, "u-eagle3": 9.0}[url]
+        request = load_bench.RequestTiming(ttft=0.1, seconds=1.0, tokens=int(rate) * concurrency, gaps=[0.1])
+        return load_bench.Level(concurrency, wall_seconds=1.0, requests=[request])
+
+    monkeypatch.setattr(load_bench, "run_level", fake_level)
+    monkeypatch.setattr(load_bench, "served_model", lambda url: "m")
+    monkeypatch.setattr(load_bench, "served_acceptance_length", lambda url: 1.5)
+    urls = {"ar": "u-ar", "ngram": "u-ngram", "eagle3": "u-eagle3"}
+    results = load_bench.measure_servers(urls, ["p"], [1, 4], repeats=3, requests_per_client=2, max_tokens=8,
+                                         log=lambda message: None)
+    assert calls[:3] == [("u-ar", 1), ("u-ngram", 1), ("u-eagle3", 1)]  # one warm-up request each
+    assert calls[3:] == [("u-ar", 1), ("u-ngram", 1), ("u-eagle3", 1), ("u-ngram", 1), ("u-eagle3", 1), ("u-ar", 1),
+                        ("u-eagle3", 1), ("u-ar", 1), ("u-ngram", 1)] + [
+                        ("u-ar", 4), ("u-ngram", 4), ("u-eagle3", 4), ("u-ngram", 4), ("u-eagle3", 4), ("u-ar", 4),
+                        ("u-eagle3", 4), ("u-ar", 4), ("u-ngram", 4)]
+    assert [level["rounds"] for level in results["ngram"]["levels"]] == [[12.0] * 3, [48.0] * 3]
+    assert results["eagle3"]["acceptance_length"] == 1.5 and "0.90x" in load_bench.table(results)
+
+
 def test_acceptance_length_is_read_from_a_metrics_page():
     from specserve_runtime.load_bench import acceptance_length
 
@@ -224,13 +270,15 @@ def test_load_bench_measures_a_live_server_at_each_concurrency(tmp_path, capsys)
 
     performance = tmp_path / "performance.yaml"
     assert main(["bench", "--methods", "ar,eagle3", "--concurrency", "1,3", "--limit", "3", "--max-new-tokens", "12",
-                 "--emit-performance", str(performance), "--json"]) == 0
+                 "--repeats", "2", "--emit-performance", str(performance), "--json"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     results = json.loads(out[-1])["concurrency"]
     for name in ("ar", "eagle3"):
         levels = results[name]["levels"]
         assert [level["concurrency"] for level in levels] == [1, 3]
-        assert all(level["errors"] == 0 and level["requests"] == 2 * level["concurrency"] for level in levels)
+        # 2 rounds of 2 requests per client, each round's own throughput kept
+        assert all(level["errors"] == 0 and level["requests"] == 4 * level["concurrency"] for level in levels)
+        assert all(len(level["rounds"]) == 2 and min(level["rounds"]) > 0 for level in levels)
         assert all(level["output_tokens_per_second"] > 0 and level["ttft_p99_ms"] > 0 for level in levels)
     assert results["ar"]["acceptance_length"] == 1 and results["eagle3"]["acceptance_length"] > 1  # its counters
     block = Performance.model_validate(yaml.safe_load(performance.read_text()))
