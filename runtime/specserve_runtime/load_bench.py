@@ -164,7 +164,7 @@ def measure_servers(urls: dict[str, str], prompts: list[str], concurrencies: lis
     for concurrency in concurrencies:
         rounds = {method: [] for method in methods}
         for number in range(repeats):
-            start = number % len(methods)  # no method always runs first, or always after the same one
+            start = number % len(methods)  # no method always runs first, in the fastest minute of a level
             for method in methods[start:] + methods[:start]:
                 rounds[method].append(asyncio.run(run_level(urls[method], models[method], prompts, concurrency,
                                                             requests_per_client, max_tokens)))
