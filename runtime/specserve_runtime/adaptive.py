@@ -11,12 +11,17 @@ the L in 0..K that maximises
 
 Both sides are measured, and neither from tokens per second across time: this machine's speed
 drifts by tens of percent over a minute, so a length timed in a fast minute would beat one timed in
-a slow one. p_i is counted from every decode step's verification (a property of the text, with a
-memory of about 1 / ACCEPTANCE_DECAY steps). r(B, L) is the ratio of the times of two adjacent
-decode steps of one batch-size bucket (1, 2, 4, 8, ...), one drafting L and one not, which share
-the machine's speed of that moment (steps with an idle gap of more than MAX_PAIR_GAP between them
-are not adjacent); the median of its last RATIO_SAMPLES pairs drops the rest (the
-first step at a new shape also pays for kernel selection). Each bucket starts by pairing every
+a slow one. p_i is counted from every decode step's verification over every sequence that was
+offered position i, whether or not its drafter found a guess for it (an n-gram drafter often finds
+none: counting only the sequences that drafted would promise tokens the step does not commit); it
+is a property of the text, with a memory of about 1 / ACCEPTANCE_DECAY steps. r(B, L) is the ratio
+of the times of two adjacent decode steps of the same batch size, one drafting L and one not, which
+share the machine's speed of that moment (steps with an idle gap of more than MAX_PAIR_GAP between
+them are not adjacent). Served, the batch size moves every few steps (a request ends, a prompt
+joins), and two steps of 12 and 16 sequences differ by a third in time: a ratio across them would
+be a batch-size effect, not the cost of drafting. The ratios are kept per batch-size bucket (1, 2,
+4, 8, ...); the median of a bucket's last RATIO_SAMPLES pairs drops the rest (the first step at a
+new shape also pays for kernel selection). Each bucket starts by pairing every
 length MIN_PAIRS times with a step without drafts, longest first, and every EXPLORE_EVERY steps it
 re-measures the least recently paired length (a step at that length, then one at 0); the longest
 length's steps also refresh p_K. Length 0 (plain decoding) is always a candidate.
@@ -43,16 +48,16 @@ class DraftLengthChooser:
         if max_drafts < 1:
             raise ValueError(f"adaptive speculation needs a proposer that drafts, got max_drafts={max_drafts}")
         self.max_drafts = max_drafts
-        self.drafted = [0.0] * (max_drafts + 1)  # [i]: sequences that drafted position i (decayed), i >= 1
+        self.offered = [0.0] * (max_drafts + 1)  # [i]: sequences offered draft position i (decayed), i >= 1
         self.accepted = [0.0] * (max_drafts + 1)  # [i]: ... and had drafts 1..i all accepted
         self.ratios: dict[tuple[int, int], list[float]] = {}  # (bucket, L) -> the last pairs' r(B, L), L >= 1
         self.paired_at: dict[tuple[int, int], int] = {}  # (bucket, L) -> the bucket's step count at its last pair
         self.steps: dict[int, int] = {}  # bucket -> decode steps recorded
-        self.previous: tuple[int, int, float, float] | None = None  # the last decode step: (bucket, L, seconds, ended at)
+        self.previous: tuple[int, int, float, float] | None = None  # the last decode step: (batch size, L, seconds, ended at)
 
     def acceptance(self, position: int) -> float:
         """p_position: the measured chance that drafts 1..position are all accepted (0 unmeasured)."""
-        return self.accepted[position] / self.drafted[position] if self.drafted[position] > 0 else 0.0
+        return self.accepted[position] / self.offered[position] if self.offered[position] > 0 else 0.0
 
     def expected_tokens(self, length: int) -> float:
         """Tokens a sequence commits per step when it drafts `length`: 1 + p_1 + ... + p_length."""
@@ -61,7 +66,7 @@ class DraftLengthChooser:
     def choose(self, batch_size: int) -> int:
         bucket = batch_bucket(batch_size)
         lengths = range(self.max_drafts, 0, -1)
-        if self._pair_due(bucket):  # the second step of a pair: without drafts, right after it
+        if self._pair_due(batch_size):  # the second step of a pair: without drafts, right after it
             return 0
         unpaired = [length for length in lengths if len(self.ratios.get((bucket, length), ())) < MIN_PAIRS]
         if unpaired:
@@ -74,38 +79,39 @@ class DraftLengthChooser:
         """r(B, L): a step drafting `length` against one without drafts, at this batch-size bucket."""
         return statistics.median(self.ratios[(bucket, length)]) if length else 1.0
 
-    def _pair_due(self, bucket: int) -> bool:
-        """Whether the previous step drafted, in this bucket, and still needs its step without
+    def _pair_due(self, batch_size: int) -> bool:
+        """Whether the previous step drafted, at this batch size, and still needs its step without
         drafts (an unpaired length, an exploring one, or the chosen one, due again)."""
         if self.previous is None:
             return False
-        previous_bucket, length, _, _ = self.previous
-        if previous_bucket != bucket or length == 0:
+        previous_batch_size, length, _, _ = self.previous
+        if previous_batch_size != batch_size or length == 0:
             return False
+        bucket = batch_bucket(batch_size)
         key = (bucket, length)
         return len(self.ratios.get(key, ())) < MIN_PAIRS or self.paired_at[key] < self.steps[bucket] - EXPLORE_EVERY
 
     def record(self, batch_size: int, length: int, started_at: float, seconds: float,
                verified: list[tuple[int, int]]) -> None:
-        """A decode step (no prompt chunk in it) that drafted up to `length` tokens per sequence,
-        started at `started_at` (a monotonic clock) and took `seconds`; `verified`: each sequence's
-        (drafts verified, drafts accepted)."""
+        """A decode step (no prompt chunk in it) that offered `length` draft positions to each of
+        `batch_size` sequences, started at `started_at` (a monotonic clock) and took `seconds`;
+        `verified`: each sequence's (drafts verified, drafts accepted)."""
         bucket = batch_bucket(batch_size)
         for i in range(1, self.max_drafts + 1):
-            self.drafted[i] *= 1 - ACCEPTANCE_DECAY
+            self.offered[i] *= 1 - ACCEPTANCE_DECAY
             self.accepted[i] *= 1 - ACCEPTANCE_DECAY
-        for num_drafts, num_accepted in verified:
-            for i in range(1, num_drafts + 1):
-                self.drafted[i] += 1
+        for _, num_accepted in verified:
+            for i in range(1, length + 1):  # a position without a guess counts as offered and not accepted
+                self.offered[i] += 1
                 self.accepted[i] += i <= num_accepted
         self.steps[bucket] = self.steps.get(bucket, 0) + 1
         if self.previous is not None:
-            previous_bucket, previous_length, previous_seconds, previous_end = self.previous
+            previous_batch_size, previous_length, previous_seconds, previous_end = self.previous
             adjacent = started_at - previous_end <= MAX_PAIR_GAP
-            if adjacent and previous_bucket == bucket and (previous_length == 0) != (length == 0):  # one drafted, one not
+            if adjacent and previous_batch_size == batch_size and (previous_length == 0) != (length == 0):  # one drafted, one not
                 drafting, with_drafts, without = ((length, seconds, previous_seconds) if length
                                                   else (previous_length, previous_seconds, seconds))
                 key = (bucket, drafting)
                 self.ratios[key] = (self.ratios.get(key, []) + [with_drafts / max(without, 1e-9)])[-RATIO_SAMPLES:]
                 self.paired_at[key] = self.steps[bucket]
-        self.previous = (bucket, length, seconds, started_at + seconds)
+        self.previous = (batch_size, length, seconds, started_at + seconds)

@@ -84,6 +84,28 @@ def test_steps_apart_in_time_are_not_paired():
     assert chooser.ratios == {(1, 1): [1.5]}  # adjacent: 1.5 s drafting against the 1.0 s step just before
 
 
+def test_only_steps_of_the_same_batch_size_are_paired():
+    """Served, a request ends or a prompt joins every few steps: a step of 12 sequences is a third
+    faster than one of 16 whatever it drafts, so pairing them would measure the batch size."""
+    chooser = DraftLengthChooser(max_drafts=1)
+    chooser.record(12, 1, started_at=0.0, seconds=1.2, verified=[(1, 1)] * 12)
+    assert chooser.choose(16) == 1  # no step without drafts is due at another size: 1 is still unpaired
+    chooser.record(16, 0, started_at=1.2, seconds=1.6, verified=[(0, 0)] * 16)
+    assert chooser.ratios == {}  # 1.2 s against 1.6 s would make drafting look cheaper than not drafting
+    chooser.record(16, 1, started_at=2.8, seconds=2.0, verified=[(1, 1)] * 16)
+    assert chooser.choose(16) == 0  # its pair is due now
+    assert chooser.ratios == {(16, 1): [2.0 / 1.6]}  # both 16 sequences: a cost, kept for the bucket 9-16
+
+
+def test_acceptance_counts_every_sequence_offered_a_position():
+    """An n-gram drafter often finds no guess: the sequence commits one token, and the expected
+    tokens per step must say so, or drafting looks better than it is."""
+    chooser = DraftLengthChooser(max_drafts=2)
+    chooser.record(4, 2, started_at=0.0, seconds=1.0, verified=[(2, 2), (0, 0), (0, 0), (1, 1)])
+    assert [chooser.acceptance(1), chooser.acceptance(2)] == pytest.approx([0.5, 0.25])
+    assert chooser.expected_tokens(2) == pytest.approx(1.75)  # the tokens those four committed: (3 + 1 + 1 + 2) / 4
+
+
 def test_a_proposer_that_does_not_draft_cannot_adapt():
     with pytest.raises(ValueError, match="needs a proposer that drafts"):
         DraftLengthChooser(0)
