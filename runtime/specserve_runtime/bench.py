@@ -453,7 +453,7 @@ def batched_drafting_ms(model: LoadedModel, method: str, sizes=(1, 4, 8), steps:
 
 
 def closed_loop(model: LoadedModel, methods: list[str], prompts: list[list[int]], batch_size: int,
-                rounds: int = 6, round_steps: int = 15, max_new_tokens: int = 400) -> dict:
+                max_new_tokens: int, rounds: int = 6, round_steps: int = 15) -> dict:
     """Engine steps over `batch_size` sequences, in process: a finished sequence is replaced by the
     next prompt. Plain decoding, and every speculative method both with its fixed draft length and
     with adaptive speculation, run round_steps steps each in turn, `rounds` times, so the machine's

@@ -298,7 +298,8 @@ def cmd_bench(args) -> None:
             raise UsageError("--closed-loop measures greedy decoding under load in process: --kernels, --baselines, "
                              "--temperature, --repeats, --url and --emit-performance are for the other modes")
         model = load_model(args.model)
-        results = closed_loop(model, methods, [model.encode(r["prompt"]) for r in prompts[: args.limit]], args.closed_loop)
+        results = closed_loop(model, methods, [model.encode(r["prompt"]) for r in prompts[: args.limit]], args.closed_loop,
+                              max_new_tokens=args.max_new_tokens)
         print(closed_loop_table(results))
         if args.json:
             print(json.dumps(results))
@@ -478,7 +479,8 @@ def build_parser() -> Parser:
     bench.add_argument("--requests-per-client", type=int, default=2, help="with --concurrency (default 2)")
     bench.add_argument("--closed-loop", type=int, metavar="B",
                        help="in process: B sequences decoding at once, each method fixed and adaptive, "
-                            "interleaved in rounds (speculation under load without a server)")
+                            "interleaved in rounds (speculation under load without a server); a finished "
+                            "sequence (--max-new-tokens) is replaced by the next prompt")
     bench.set_defaults(run=cmd_bench)
 
     distill = commands.add_parser("distill", help="generate self-distilled drafter training data (resumable)")

@@ -139,7 +139,7 @@ class Engine:
         # Plain decoding (no drafts) has nothing to adapt.
         adaptive = adaptive and proposer.num_speculative_tokens > 0
         self.chooser = DraftLengthChooser(proposer.num_speculative_tokens) if adaptive else None
-        self.draft_length: int | None = None  # the adaptive choice of the last decode step
+        self.draft_length: int | None = None  # the adaptive choice of the last step (None: no sequence decoded in it)
         self.batch_drafts = True  # False: one propose() per sequence (bench --kernels times both)
 
     def add(self, request: Request, stats: Result | None = None) -> Sequence:
@@ -159,8 +159,7 @@ class Engine:
         started, budget = time.perf_counter(), self.token_budget
         decoding = [sequence for sequence in batch if not sequence.prefilling]
         length = self.chooser.choose(len(decoding)) if self.chooser and decoding else None  # None: the proposer's own
-        if length is not None:
-            self.draft_length = length
+        self.draft_length = length
         work: list[tuple[Sequence, list[int], list[int] | None]] = []  # (sequence, new tokens, drafts)
         proposals = propose_all(self.proposer, [(s.proposer, s.tokens, self._draft_limit(s, length)) for s in decoding],
                                 self.batch_drafts)

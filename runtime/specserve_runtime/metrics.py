@@ -51,6 +51,10 @@ class Metrics:
         self.draft_length = Gauge("specserve_spec_decode_draft_length",
                                   "Draft tokens per sequence the adaptive rule chose for the last decode step",
                                   LABELS, registry=registry)
+        # The gauge shows one step; the distribution over a window is what says whether speculation runs.
+        self.draft_length_steps = counter("specserve_spec_decode_draft_length_steps",
+                                          "Steps with decoding sequences, by the draft tokens per sequence the "
+                                          "adaptive rule chose", ["draft_length"])
         self.rejected = Counter("specserve_requests_rejected", "Requests refused (queue full, draining)", LABELS + ["reason"],
                                 registry=registry)
         Info("specserve_runtime", "What this runtime serves", registry=registry).info(

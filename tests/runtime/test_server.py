@@ -265,6 +265,48 @@ async def test_full_queue_answers_429_and_disconnect_stops_generation(smollm2):
         server.worker.stop()
 
 
+class RecordingEngine(WrappedEngine):
+    """Wraps an engine: remembers the draft length each step chose."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.lengths = []
+
+    def step(self, batch):
+        steps = self.engine.step(batch)
+        self.lengths.append(self.engine.draft_length)
+        return steps
+
+
+async def test_the_adaptive_draft_lengths_of_every_step_are_counted(smollm2):
+    """specserve_spec_decode_draft_length_steps_total counts each step that decoded, by the length
+    the adaptive rule chose; a prefill-only step chose nothing and is not counted."""
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from specserve_runtime.drafters import ProposerOptions
+    from specserve_runtime.server.app import Server
+
+    engine = RecordingEngine(build_engine(smollm2, "ngram", ProposerOptions(num_speculative_tokens=3), adaptive=True))
+    server = Server(smollm2, engine, MODEL, "ngram", None, max_concurrency=1)
+    metrics = server.metrics
+    try:
+        async with TestServer(server.app()) as test_server, aiohttp.ClientSession() as session:
+            url = str(test_server.make_url("/v1/completions"))
+            request = {"model": MODEL, "prompt": "Count: one two three, one two three, one two", "max_tokens": 24,
+                       "temperature": 0}
+            assert (await session.post(url, json=request)).status == 200
+            await wait_for(server.worker.idle.is_set, "the request to finish")
+    finally:
+        server.worker.stop()
+    assert engine.lengths[0] is None  # the prompt's step
+    chosen = [length for length in engine.lengths if length is not None]
+    assert len(chosen) >= 2 and set(chosen) <= {0, 1, 2, 3}
+    counted = {length: metrics.of(metrics.draft_length_steps, draft_length=str(length))._value.get() for length in range(4)}
+    assert counted == {length: chosen.count(length) for length in range(4)}
+    assert metrics.of(metrics.draft_length)._value.get() == chosen[-1]
+
+
 async def test_engine_failure_is_a_500_counted_as_finished_reason_error(smollm2):
     """An engine that raises mid-request: the client gets an OpenAI-style server error, the failure is
     counted in request_success_total{finished_reason="error"} with its latency, and the worker lives on."""

@@ -117,8 +117,10 @@ class Worker:
                 batch = []
                 continue
             now = time.perf_counter()
-            if self.engine.draft_length is not None:
-                self.metrics.of(self.metrics.draft_length).set(self.engine.draft_length)
+            length = self.engine.draft_length
+            if length is not None:
+                self.metrics.of(self.metrics.draft_length).set(length)
+                self.metrics.of(self.metrics.draft_length_steps, draft_length=str(length)).inc()
             for running, step in zip(batch, steps):
                 if step is not None:
                     self._advance(running, step, now)
