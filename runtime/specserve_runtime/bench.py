@@ -457,15 +457,17 @@ def closed_loop(model: LoadedModel, methods: list[str], prompts: list[list[int]]
     """Engine steps over `batch_size` sequences, in process: a finished sequence is replaced by the
     next prompt. Plain decoding, and every speculative method both with its fixed draft length and
     with adaptive speculation, run round_steps steps each in turn, `rounds` times, so the machine's
-    speed drift falls on all of them alike. Per configuration: committed tokens/s of each round and
-    how often adaptive speculation chose each draft length."""
+    speed drift falls on all of them alike. Per configuration: committed tokens/s of each round, how
+    often adaptive speculation chose each draft length, and the median time of a step with no prompt
+    chunk in it by its draft length (what a length costs against plain decoding's step, unaffected
+    by which round was slow)."""
     configs = {"ar": build_engine(model, "ar")}
     for method in methods:
         name, options = method_spec(method)
         if name != "ar":
             configs[f"{method} fixed"] = build_engine(model, name, options)
             configs[f"{method} adaptive"] = build_engine(model, name, options, adaptive=True)
-    state = {label: {"batch": [], "next": 0, "rates": [], "lengths": []} for label in configs}
+    state = {label: {"batch": [], "next": 0, "rates": [], "lengths": [], "decode_seconds": {}} for label in configs}
 
     def run_round(label: str) -> float:
         engine, entry = configs[label], state[label]
@@ -475,31 +477,42 @@ def closed_loop(model: LoadedModel, methods: list[str], prompts: list[list[int]]
             while len(batch) < batch_size:
                 batch.append(engine.add(Request(prompts[entry["next"] % len(prompts)], max_new_tokens)))
                 entry["next"] += 1
+            decode_only = not any(sequence.prefilling for sequence in batch)
+            step_started = time.perf_counter()
             steps = engine.step(batch)
+            seconds = time.perf_counter() - step_started
             committed += sum(len(step.token_ids) for step in steps if step is not None)
             if engine.draft_length is not None:
                 entry["lengths"].append(engine.draft_length)
+            if decode_only:  # fixed configurations offer their proposer's drafts every step
+                length = engine.proposer.num_speculative_tokens if engine.draft_length is None else engine.draft_length
+                entry["decode_seconds"].setdefault(length, []).append(seconds)
             batch[:] = [sequence for sequence in batch if sequence.finish_reason is None]
         return committed / (time.perf_counter() - started)
 
     for label in configs:  # prompts prefilled, kernels chosen: not timed
         run_round(label)
         state[label]["lengths"].clear()
+        state[label]["decode_seconds"].clear()
     for _ in range(rounds):
         for label in configs:
             state[label]["rates"].append(round(run_round(label), 2))
     return {label: {"tokens_per_second": statistics.median(entry["rates"]), "rounds": entry["rates"],
-                    "lengths": {n: entry["lengths"].count(n) for n in sorted(set(entry["lengths"]))}}
+                    "lengths": {n: entry["lengths"].count(n) for n in sorted(set(entry["lengths"]))},
+                    "decode_step_ms": {n: round(1000 * statistics.median(entry["decode_seconds"][n]), 1)
+                                       for n in sorted(entry["decode_seconds"])}}
             for label, entry in state.items()}
 
 
 def closed_loop_table(results: dict) -> str:
     base = results["ar"]["tokens_per_second"]
-    rows = [("configuration", "tok/s (median of rounds)", "vs ar", "rounds", "draft lengths chosen")]
+    rows = [("configuration", "tok/s (median of rounds)", "vs ar", "rounds", "draft lengths chosen",
+             "decode step ms by drafts")]
     for label, r in results.items():
         lengths = ", ".join(f"{n}: {count}" for n, count in r["lengths"].items()) or "-"
+        step_ms = ", ".join(f"{n}: {ms:.0f}" for n, ms in r["decode_step_ms"].items()) or "-"
         rows.append((label, f"{r['tokens_per_second']:.1f}", f"{r['tokens_per_second'] / base:.2f}x",
-                     " ".join(f"{x:.0f}" for x in r["rounds"]), lengths))
+                     " ".join(f"{x:.0f}" for x in r["rounds"]), lengths, step_ms))
     return "\n".join(markdown_table(rows))
 
 

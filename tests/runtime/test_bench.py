@@ -318,8 +318,13 @@ def test_the_closed_loop_interleaves_plain_fixed_and_adaptive_and_replaces_finis
         assert len(result["rounds"]) == 2 and result["tokens_per_second"] > 0
     assert results["ar"]["lengths"] == {} and results["ngram:2 fixed"]["lengths"] == {}
     assert set(results["ngram:2 adaptive"]["lengths"]) <= {0, 1, 2} and sum(results["ngram:2 adaptive"]["lengths"].values()) > 0
+    # decode-only steps timed by the drafts offered: plain 0, fixed its 2, adaptive what it chose
+    assert list(results["ar"]["decode_step_ms"]) == [0] and list(results["ngram:2 fixed"]["decode_step_ms"]) == [2]
+    assert set(results["ngram:2 adaptive"]["decode_step_ms"]) <= set(results["ngram:2 adaptive"]["lengths"])
+    assert all(ms > 0 for result in results.values() for ms in result["decode_step_ms"].values())
     table = closed_loop_table(results)
     assert "| ngram:2 adaptive" in table and "1.00x" in table  # ar against itself
+    assert "decode step ms by drafts" in table
 
 
 def test_a_prompt_set_is_sampled_from_its_held_out_split_a_few_of_each_category():
