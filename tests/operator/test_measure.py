@@ -614,9 +614,10 @@ def prometheus_latest(prometheus: str, revision: str) -> float | None:
     return float(result[0]["value"][1]) if result else None
 
 
-def prometheus_settled(prometheus: str, revision: str, value: float) -> bool:
-    """Prometheus' latest sample of the revision's generated tokens is `value`, unchanged for 5 s."""
-    flat = query(prometheus, f'changes(vllm:generation_tokens_total{{serving="demo",revision="{revision}"}}[5s])')
+def prometheus_settled(prometheus: str, revision: str, value: float, seconds: int) -> bool:
+    """Prometheus' latest sample of the revision's generated tokens is `value`, unchanged for `seconds`."""
+    flat = query(prometheus,
+                 f'changes(vllm:generation_tokens_total{{serving="demo",revision="{revision}"}}[{seconds}s])')
     return prometheus_latest(prometheus, revision) == value and bool(flat) and float(flat[0]["value"][1]) == 0
 
 
@@ -657,11 +658,15 @@ def test_prometheus_and_scrape_sources_agree_on_real_runtimes(tmp_path):
                 list(pool.map(lambda revision: ask(revision, prompt_list), ports))
 
         # Warm up, so that every series exists before the window; then wait until Prometheus has
-        # seen the settled counters (flat for 5 s) before taking the baseline.
+        # seen the settled counters, flat for `flat_seconds`, before taking the baseline. The
+        # Prometheus range below reaches that far back: increase() extrapolates the change it sees
+        # to the range's ends (up to 1.1 scrape intervals each side), so a range of a few seconds
+        # can read half as much again as happened (1.56x, seen); one of 21 s or more, at most 1.12x.
+        flat_seconds = 20
         both(prompts[:1])
         for revision in ports:
             settled = generated_on(bases[revision])
-            wait_until(lambda: prometheus_settled(prometheus_url, revision, settled), 30,
+            wait_until(lambda: prometheus_settled(prometheus_url, revision, settled, flat_seconds), 60,
                        f"prometheus to see {revision} settle")
         targets = {revision: Target(None, "demo", revision, 1, (bases[revision],)) for revision in ports}
         scrape = ScrapeSource()
@@ -675,8 +680,8 @@ def test_prometheus_and_scrape_sources_agree_on_real_runtimes(tmp_path):
             wait_until(lambda: prometheus_latest(prometheus_url, revision) == final, 30,
                        f"prometheus to scrape {revision}'s last tokens")
 
-        # The Prometheus range covers the baseline (and a flat sample before it) but not the warm-up.
-        seconds = math.ceil(time.monotonic() - started) + 2
+        # The Prometheus range covers the traffic and the flat samples before the baseline, not the warm-up.
+        seconds = math.ceil(time.monotonic() - started) + flat_seconds - 2
         prometheus_source = PrometheusSource(prometheus_url)
         windows = {}
         for revision in ports:
