@@ -21,17 +21,33 @@ them are not adjacent). Served, the batch size moves every few steps (a request 
 joins), and two steps of 12 and 16 sequences differ by a third in time: a ratio across them would
 be a batch-size effect, not the cost of drafting. The ratios are kept per batch-size bucket (1, 2,
 4, 8, ...); the median of a bucket's last RATIO_SAMPLES pairs drops the rest (the first step at a
-new shape also pays for kernel selection). Each bucket starts by pairing every
-length MIN_PAIRS times with a step without drafts, longest first, and every EXPLORE_EVERY steps it
-re-measures the least recently paired length (a step at that length, then one at 0); the longest
-length's steps also refresh p_K. Length 0 (plain decoding) is always a candidate.
+new shape also pays for kernel selection).
+
+The drafting step of a pair is timed only when the step before it drafted too: a drafter that sat
+out steps (EAGLE-3, DFlash) first runs every target feature committed while it was idle through its
+context layers, a catch-up that grows with the idle steps (DFlash's context projection for 16
+sequences: 8 ms after 32 idle steps, 67 ms after 256, where a plain step of 16 takes 42 ms on the
+same CPU) and that drafting every step never pays. So a pair is three steps: L (the catch-up), L
+(timed), 0 (timed).
+
+Each bucket starts by pairing every length MIN_PAIRS times, longest first. Then it explores: it
+re-measures the least recently paired length, first EXPLORE_EVERY steps after the last exploring
+pair, and each time that pair leaves the choice as it was (its ratio on its own would not beat the
+chosen length) the wait doubles, up to MAX_EXPLORE_EVERY: on a loaded server where drafting loses,
+the exploring steps, which cost up to twice a plain step, fall from one in 32 steps to one in 256.
+A pair whose ratio on its own would change the choice brings the wait back to EXPLORE_EVERY, so a
+length that became cheaper is confirmed within a few periods (the median needs three new pairs).
+The chosen length itself is re-paired every EXPLORE_EVERY steps. Length 0 (plain decoding) is
+always a candidate.
 
 Only the speed changes: every draft is still verified, so the output is the same at any length.
 """
 
 import statistics
+from dataclasses import dataclass
 
-EXPLORE_EVERY = 32  # decode steps of a batch-size bucket between two exploring pairs
+EXPLORE_EVERY = 32  # decode steps of a batch-size bucket between two exploring pairs, at first
+MAX_EXPLORE_EVERY = 256  # ... and at most, once exploring keeps confirming the choice
 RATIO_SAMPLES = 5  # cost-ratio pairs kept per (bucket, length); their median is r(B, L)
 MIN_PAIRS = 3  # pairs per length before a bucket trusts its ratio
 ACCEPTANCE_DECAY = 0.01  # per decode step: the acceptance counts forget the text of ~100 steps ago
@@ -41,6 +57,15 @@ MAX_PAIR_GAP = 1.0  # seconds between two steps that still share the machine's s
 def batch_bucket(batch_size: int) -> int:
     """1, 2, 4, 8, ...: the smallest power of two >= batch_size."""
     return 1 << (batch_size - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    batch_size: int
+    length: int  # drafts offered per sequence
+    seconds: float
+    ended_at: float
+    after_drafting: bool  # the step before it drafted, at the same batch size: the drafter's context was current
 
 
 class DraftLengthChooser:
@@ -53,7 +78,10 @@ class DraftLengthChooser:
         self.ratios: dict[tuple[int, int], list[float]] = {}  # (bucket, L) -> the last pairs' r(B, L), L >= 1
         self.paired_at: dict[tuple[int, int], int] = {}  # (bucket, L) -> the bucket's step count at its last pair
         self.steps: dict[int, int] = {}  # bucket -> decode steps recorded
-        self.previous: tuple[int, int, float, float] | None = None  # the last decode step: (batch size, L, seconds, ended at)
+        self.explore_every: dict[int, int] = {}  # bucket -> steps from one exploring pair to the next
+        self.explored_at: dict[int, int] = {}  # bucket -> its step count when the last exploring pair began
+        self.exploring: dict[int, int] = {}  # bucket -> the length of the exploring pair under way
+        self.previous: DecodeStep | None = None
 
     def acceptance(self, position: int) -> float:
         """p_position: the measured chance that drafts 1..position are all accepted (0 unmeasured)."""
@@ -63,33 +91,45 @@ class DraftLengthChooser:
         """Tokens a sequence commits per step when it drafts `length`: 1 + p_1 + ... + p_length."""
         return 1 + sum(self.acceptance(i) for i in range(1, length + 1))
 
-    def choose(self, batch_size: int) -> int:
-        bucket = batch_bucket(batch_size)
-        lengths = range(self.max_drafts, 0, -1)
-        if self._pair_due(batch_size):  # the second step of a pair: without drafts, right after it
-            return 0
-        unpaired = [length for length in lengths if len(self.ratios.get((bucket, length), ())) < MIN_PAIRS]
-        if unpaired:
-            return unpaired[0]
-        if self.steps.get(bucket, 0) % EXPLORE_EVERY == EXPLORE_EVERY - 1:
-            return min(lengths, key=lambda length: self.paired_at[(bucket, length)])
-        return max(range(self.max_drafts + 1), key=lambda length: self.expected_tokens(length) / self.cost(bucket, length))
-
     def cost(self, bucket: int, length: int) -> float:
         """r(B, L): a step drafting `length` against one without drafts, at this batch-size bucket."""
         return statistics.median(self.ratios[(bucket, length)]) if length else 1.0
 
-    def _pair_due(self, batch_size: int) -> bool:
-        """Whether the previous step drafted, at this batch size, and still needs its step without
-        drafts (an unpaired length, an exploring one, or the chosen one, due again)."""
-        if self.previous is None:
-            return False
-        previous_batch_size, length, _, _ = self.previous
-        if previous_batch_size != batch_size or length == 0:
-            return False
+    def choose(self, batch_size: int) -> int:
+        return self._plan(batch_size)[0]
+
+    def _plan(self, batch_size: int) -> tuple[int, bool]:
+        """The next step's length, and whether it begins an exploring pair."""
         bucket = batch_bucket(batch_size)
-        key = (bucket, length)
-        return len(self.ratios.get(key, ())) < MIN_PAIRS or self.paired_at[key] < self.steps[bucket] - EXPLORE_EVERY
+        pair_length = self._pair_due(batch_size)
+        if pair_length is not None:
+            return pair_length, False
+        unpaired = [length for length in range(self.max_drafts, 0, -1)
+                    if len(self.ratios.get((bucket, length), ())) < MIN_PAIRS]
+        if unpaired:
+            return unpaired[0], False
+        steps = self.steps.get(bucket, 0)
+        if steps - self.explored_at.get(bucket, 0) >= self.explore_every.get(bucket, EXPLORE_EVERY):
+            return min(range(1, self.max_drafts + 1), key=lambda length: self.paired_at[(bucket, length)]), True
+        return self._best(bucket), False
+
+    def _best(self, bucket: int) -> int:
+        return max(range(self.max_drafts + 1), key=lambda length: self.expected_tokens(length) / self.cost(bucket, length))
+
+    def _pair_due(self, batch_size: int) -> int | None:
+        """The rest of a pair the previous step began at this batch size: its length again if that
+        step was the catch-up, 0 if it was the timed one; None if no pair is under way. A length
+        is paired while it has fewer than MIN_PAIRS ratios, when exploring, and when it was chosen
+        and its last pair is more than EXPLORE_EVERY steps old."""
+        previous = self.previous
+        if previous is None or previous.batch_size != batch_size or previous.length == 0:
+            return None
+        bucket = batch_bucket(batch_size)
+        key = (bucket, previous.length)
+        if (len(self.ratios.get(key, ())) < MIN_PAIRS or self.exploring.get(bucket) == previous.length
+                or self.paired_at[key] < self.steps[bucket] - EXPLORE_EVERY):
+            return 0 if previous.after_drafting else previous.length
+        return None
 
     def record(self, batch_size: int, length: int, started_at: float, seconds: float,
                verified: list[tuple[int, int]]) -> None:
@@ -97,6 +137,9 @@ class DraftLengthChooser:
         `batch_size` sequences, started at `started_at` (a monotonic clock) and took `seconds`;
         `verified`: each sequence's (drafts verified, drafts accepted)."""
         bucket = batch_bucket(batch_size)
+        planned, exploring = self._plan(batch_size)
+        if exploring and length == planned:
+            self.explored_at[bucket], self.exploring[bucket] = self.steps.get(bucket, 0), length
         for i in range(1, self.max_drafts + 1):
             self.offered[i] *= 1 - ACCEPTANCE_DECAY
             self.accepted[i] *= 1 - ACCEPTANCE_DECAY
@@ -105,13 +148,24 @@ class DraftLengthChooser:
                 self.offered[i] += 1
                 self.accepted[i] += i <= num_accepted
         self.steps[bucket] = self.steps.get(bucket, 0) + 1
-        if self.previous is not None:
-            previous_batch_size, previous_length, previous_seconds, previous_end = self.previous
-            adjacent = started_at - previous_end <= MAX_PAIR_GAP
-            if adjacent and previous_batch_size == batch_size and (previous_length == 0) != (length == 0):  # one drafted, one not
-                drafting, with_drafts, without = ((length, seconds, previous_seconds) if length
-                                                  else (previous_length, previous_seconds, seconds))
-                key = (bucket, drafting)
-                self.ratios[key] = (self.ratios.get(key, []) + [with_drafts / max(without, 1e-9)])[-RATIO_SAMPLES:]
-                self.paired_at[key] = self.steps[bucket]
-        self.previous = (batch_size, length, seconds, started_at + seconds)
+        previous = self.previous
+        adjacent = (previous is not None and previous.batch_size == batch_size
+                    and started_at - previous.ended_at <= MAX_PAIR_GAP)
+        if adjacent and previous.length and previous.after_drafting and length == 0:
+            key, ratio = (bucket, previous.length), previous.seconds / max(seconds, 1e-9)
+            self.ratios[key] = (self.ratios.get(key, []) + [ratio])[-RATIO_SAMPLES:]
+            self.paired_at[key] = self.steps[bucket]
+            if self.exploring.get(bucket) == previous.length:
+                self._explored(bucket, previous.length, ratio)
+        self.previous = DecodeStep(batch_size, length, seconds, started_at + seconds,
+                                   after_drafting=adjacent and previous.length > 0)
+
+    def _explored(self, bucket: int, length: int, ratio: float) -> None:
+        """An exploring pair of `length` measured `ratio`: explore again soon if, on its own, that
+        ratio would make `length` the choice; otherwise wait twice as long as last time."""
+        del self.exploring[bucket]
+        best = self._best(bucket)
+        if best == length or self.expected_tokens(length) / ratio > self.expected_tokens(best) / self.cost(bucket, best):
+            self.explore_every[bucket] = EXPLORE_EVERY
+        else:
+            self.explore_every[bucket] = min(2 * self.explore_every.get(bucket, EXPLORE_EVERY), MAX_EXPLORE_EVERY)

@@ -294,12 +294,14 @@ def cmd_bench(args) -> None:
     if args.closed_loop is not None:
         if args.closed_loop < 1:
             raise UsageError(f"--closed-loop {args.closed_loop}: the batch size must be >= 1")
+        if args.round_steps < 1:
+            raise UsageError(f"--round-steps {args.round_steps}: a round must take at least one step")
         if args.kernels or args.baselines or args.temperature or args.repeats != 1 or args.url or args.emit_performance:
             raise UsageError("--closed-loop measures greedy decoding under load in process: --kernels, --baselines, "
                              "--temperature, --repeats, --url and --emit-performance are for the other modes")
         model = load_model(args.model)
         results = closed_loop(model, methods, [model.encode(r["prompt"]) for r in prompts[: args.limit]], args.closed_loop,
-                              max_new_tokens=args.max_new_tokens)
+                              max_new_tokens=args.max_new_tokens, round_steps=args.round_steps)
         print(closed_loop_table(results))
         if args.json:
             print(json.dumps(results))
@@ -481,6 +483,8 @@ def build_parser() -> Parser:
                        help="in process: B sequences decoding at once, each method fixed and adaptive, "
                             "interleaved in rounds (speculation under load without a server); a finished "
                             "sequence (--max-new-tokens) is replaced by the next prompt")
+    bench.add_argument("--round-steps", type=int, default=15,
+                       help="with --closed-loop: engine steps per configuration in each of its 6 rounds (default 15)")
     bench.set_defaults(run=cmd_bench)
 
     distill = commands.add_parser("distill", help="generate self-distilled drafter training data (resumable)")

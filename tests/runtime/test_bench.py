@@ -254,6 +254,7 @@ def test_load_curves_become_a_performance_block_with_a_row_per_concurrency(tmp_p
     (["--concurrency", "1", "--kernels"], "--concurrency measures greedy serving"),
     (["--concurrency", "1", "--requests-per-client", "0"], "--requests-per-client must be >= 1"),
     (["--closed-loop", "0"], "--closed-loop 0: the batch size must be >= 1"),
+    (["--closed-loop", "8", "--round-steps", "0"], "--round-steps 0: a round must take at least one step"),
     (["--closed-loop", "8", "--kernels"], "--closed-loop measures greedy decoding under load in process"),
 ])
 def test_load_bench_refuses_bad_flags_before_starting_anything(capsys, arguments, message):
