@@ -10,7 +10,11 @@ Without --url, bench starts one `specserve serve` per method, each with a batch 
 highest concurrency, all at once (an idle server waits on its queue and costs no CPU). At each
 concurrency the methods take turns, `repeats` rounds, each round starting with the next method, so
 a drift of the machine's speed over minutes falls on every method alike; a method's ratio to plain
-decoding is the median of its rounds' ratios to the ar level measured beside it.
+decoding is the median of its rounds' ratios to the ar level measured beside it. Each level begins
+with one uncounted round per method (one request per client): a server pays for its first batches
+of a new size once in its life (kernel selection at new shapes; adaptive speculation pairing each
+draft length at a new batch-size bucket, about twelve drafting steps at twice a plain step's cost),
+and a level measures what it serves after that, as the in-process `--closed-loop` does.
 """
 
 import asyncio
@@ -155,7 +159,8 @@ def summarise_rounds(rounds: list[Level]) -> dict:
 def measure_servers(urls: dict[str, str], prompts: list[str], concurrencies: list[int], repeats: int,
                     requests_per_client: int, max_tokens: int, log=print) -> dict[str, dict]:
     """Every concurrency level, lowest first, against each method's running server (`urls`: method
-    -> base URL), the methods taking turns `repeats` times per level, after one warm-up request each."""
+    -> base URL), the methods taking turns `repeats` times per level, after one warm-up request each
+    and, at each level, one uncounted round each."""
     methods = list(urls)
     models = {method: served_model(url) for method, url in urls.items()}
     for method, url in urls.items():
@@ -163,6 +168,8 @@ def measure_servers(urls: dict[str, str], prompts: list[str], concurrencies: lis
     results = {method: {"levels": []} for method in methods}
     for concurrency in concurrencies:
         rounds = {method: [] for method in methods}
+        for method in methods:  # uncounted: the server's first batches of this size
+            asyncio.run(run_level(urls[method], models[method], prompts, concurrency, 1, max_tokens))
         for number in range(repeats):
             start = number % len(methods)  # no method always runs first, in the fastest minute of a level
             for method in methods[start:] + methods[:start]:
