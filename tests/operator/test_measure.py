@@ -615,10 +615,16 @@ def prometheus_latest(prometheus: str, revision: str) -> float | None:
 
 
 def prometheus_settled(prometheus: str, revision: str, value: float, seconds: int) -> bool:
-    """Prometheus' latest sample of the revision's generated tokens is `value`, unchanged for `seconds`."""
-    flat = query(prometheus,
-                 f'changes(vllm:generation_tokens_total{{serving="demo",revision="{revision}"}}[{seconds}s])')
-    return prometheus_latest(prometheus, revision) == value and bool(flat) and float(flat[0]["value"][1]) == 0
+    """Prometheus' sample of the revision's generated tokens is `value` now and was `value` `seconds` ago.
+
+    A counter only grows, so equal ends mean it was flat in between. Asking for the sample of
+    `seconds` ago also asks that Prometheus has one: a series it first scraped after the warm-up
+    is young, and increase() over a range that starts before a series assumes the series started
+    at zero just before its first sample (1.37-1.44x the real count, seen with 3 s of samples).
+    """
+    series = f'vllm:generation_tokens_total{{serving="demo",revision="{revision}"}}'
+    then = query(prometheus, f"{series} offset {seconds}s")
+    return prometheus_latest(prometheus, revision) == value and bool(then) and float(then[0]["value"][1]) == value
 
 
 @pytest.mark.slow
@@ -661,7 +667,8 @@ def test_prometheus_and_scrape_sources_agree_on_real_runtimes(tmp_path):
         # seen the settled counters, flat for `flat_seconds`, before taking the baseline. The
         # Prometheus range below reaches that far back: increase() extrapolates the change it sees
         # to the range's ends (up to 1.1 scrape intervals each side), so a range of a few seconds
-        # can read half as much again as happened (1.56x, seen); one of 21 s or more, at most 1.12x.
+        # can read half as much again as happened (1.56x, seen); one of 21 s or more whose samples
+        # span it, at most 1.12x.
         flat_seconds = 20
         both(prompts[:1])
         for revision in ports:
@@ -688,7 +695,10 @@ def test_prometheus_and_scrape_sources_agree_on_real_runtimes(tmp_path):
             windows[revision] = (scrape.measure(targets[revision], 10),
                                  prometheus_source.measure(targets[revision], seconds))
         for revision, (direct, via_prometheus) in windows.items():
-            context = (revision, direct, via_prometheus)
+            # The raw samples behind the Prometheus window, so that a disagreement shows its cause.
+            samples = query(prometheus_url, f'vllm:generation_tokens_total{{serving="demo",revision="{revision}"}}[{seconds}s]')
+            context = (revision, seconds, [tuple(v) for v in samples[0]["values"]] if samples else None,
+                       direct.generated_tokens, via_prometheus.generated_tokens)
             assert direct.missing is None and via_prometheus.missing is None, context
             # Prometheus extrapolates increase() to the range's ends, so counts agree loosely; ratios
             # of counters scraped together (acceptance, quantiles) agree closely. The two windows
