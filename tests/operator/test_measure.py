@@ -608,9 +608,14 @@ def generated_on(base: str) -> float:
         return parse_metrics(response.read().decode()).get((GENERATION_TOKENS, ""), 0.0)
 
 
+def generated_series(revision: str) -> str:
+    """The selector of the revision's generated-tokens counter in these tests' Prometheus."""
+    return f'vllm:generation_tokens_total{{serving="demo",revision="{revision}"}}'
+
+
 def prometheus_latest(prometheus: str, revision: str) -> float | None:
     """Prometheus' latest sample of the revision's generated tokens."""
-    result = query(prometheus, f'vllm:generation_tokens_total{{serving="demo",revision="{revision}"}}')
+    result = query(prometheus, generated_series(revision))
     return float(result[0]["value"][1]) if result else None
 
 
@@ -622,8 +627,7 @@ def prometheus_settled(prometheus: str, revision: str, value: float, seconds: in
     is young, and increase() over a range that starts before a series assumes the series started
     at zero just before its first sample (1.37-1.44x the real count, seen with 3 s of samples).
     """
-    series = f'vllm:generation_tokens_total{{serving="demo",revision="{revision}"}}'
-    then = query(prometheus, f"{series} offset {seconds}s")
+    then = query(prometheus, f"{generated_series(revision)} offset {seconds}s")
     return prometheus_latest(prometheus, revision) == value and bool(then) and float(then[0]["value"][1]) == value
 
 
@@ -696,7 +700,7 @@ def test_prometheus_and_scrape_sources_agree_on_real_runtimes(tmp_path):
                                  prometheus_source.measure(targets[revision], seconds))
         for revision, (direct, via_prometheus) in windows.items():
             # The raw samples behind the Prometheus window, so that a disagreement shows its cause.
-            samples = query(prometheus_url, f'vllm:generation_tokens_total{{serving="demo",revision="{revision}"}}[{seconds}s]')
+            samples = query(prometheus_url, f"{generated_series(revision)}[{seconds}s]")
             context = (revision, seconds, [tuple(v) for v in samples[0]["values"]] if samples else None,
                        direct.generated_tokens, via_prometheus.generated_tokens)
             assert direct.missing is None and via_prometheus.missing is None, context
