@@ -159,12 +159,10 @@ def summarise_rounds(rounds: list[Level]) -> dict:
 def measure_servers(urls: dict[str, str], prompts: list[str], concurrencies: list[int], repeats: int,
                     requests_per_client: int, max_tokens: int, log=print) -> dict[str, dict]:
     """Every concurrency level, lowest first, against each method's running server (`urls`: method
-    -> base URL), the methods taking turns `repeats` times per level, after one warm-up request each
-    and, at each level, one uncounted round each."""
+    -> base URL), the methods taking turns `repeats` times per level, after one uncounted round each
+    (which is also each server's first request: its warm-up)."""
     methods = list(urls)
     models = {method: served_model(url) for method, url in urls.items()}
-    for method, url in urls.items():
-        asyncio.run(run_level(url, models[method], prompts[:1], 1, 1, 8))
     results = {method: {"levels": []} for method in methods}
     for concurrency in concurrencies:
         rounds = {method: [] for method in methods}
