@@ -53,8 +53,8 @@ class TrainConfig:
     init: str = "random"  # dflash: random, or target (draft layers start as the target's top layers)
     shards: int = 0  # train on the first N data shards (a hash-ordered prompt set: a sample of the mix); 0: all
     # bf16: the training forward and backward under bf16 autocast (fp32 weights, optimiser and
-    # held-out evaluation). 2.3-2.9x faster a step on a CPU with avx512_bf16; the engine still
-    # drafts in fp32, so outputs stay lossless whatever the drafter was trained in.
+    # held-out evaluation). Half the time of an fp32 run on a CPU with avx512_bf16; the engine
+    # still drafts in fp32, so outputs stay lossless whatever the drafter was trained in.
     precision: str = "fp32"
 
     @property
