@@ -167,7 +167,7 @@ def cmd_train_drafter(args) -> None:
     data, eval_data = _training_data(args)
     settings = _given(args, ("steps", "lr", "seed", "block_size", "num_layers", "anchors", "gamma", "depth",
                              "draft_vocab_size", "eval_every", "checkpoint_every", "targets", "init", "shards",
-                             "precision"))
+                             "precision", "warm_start"))
     config = TrainConfig(method=args.method, data=data, eval_data=eval_data, out=args.out, **settings)
     model = load_model(args.model)
     summary = train(config, model.target, model.mask_token_id(), log=lambda message: print(message, file=sys.stderr))
@@ -522,6 +522,9 @@ def build_parser() -> Parser:
                          help="learn the data token (default) or the target's whole distribution (forward KL)")
     trainer.add_argument("--init", choices=["random", "target"],
                          help="dflash: draft layers random (default) or copied from the target's top layers")
+    trainer.add_argument("--warm-start", metavar="DRAFTER",
+                         help="start from a trained drafter's folder (its weights and draft vocabulary; optimiser "
+                              "and learning-rate schedule start afresh): extends a run without repeating its steps")
     trainer.add_argument("--shards", type=int, help="train on the first N data shards only (points of a data curve)")
     trainer.add_argument("--precision", choices=["fp32", "bf16"],
                          help="training forward/backward in fp32 (default) or under bf16 autocast (faster on CPUs "

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from specserve_runtime.drafters import ProposerOptions, build_proposer
-from specserve_runtime.drafters.dflash import DFlashConfig, DFlashProposer, load_dflash, random_drafter
-from specserve_runtime.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Proposer, load_eagle3
+from specserve_runtime.drafters.dflash import DFlashConfig, DFlashProposer, load_dflash, random_drafter, save_dflash
+from specserve_runtime.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Proposer, load_eagle3, save_eagle3
 from specserve_runtime.drafters.vocab import DraftHead, draft_token_ids, set_draft_vocab
 from specserve_runtime.training.recipes import (
     accepted_prefix,
@@ -229,6 +229,42 @@ def test_draft_layers_can_start_as_the_targets_top_layers(tiny_llama):
     assert not torch.equal(fresh.layers[0].self_attn.q_proj.weight, copied.layers[0].self_attn.q_proj.weight)
     with pytest.raises(ValueError, match="--init must be random, or target for dflash"):
         TrainConfig(**{**settings, "method": "eagle3", "init": "target"})
+
+
+@pytest.mark.parametrize("method", ["dflash", "eagle3"])
+def test_a_warm_start_begins_from_the_trained_drafter(tiny_llama, tmp_path, method):
+    """--warm-start: the run's drafter is the trained one (weights and draft vocabulary), not a
+    fresh one from the run's seed and data; a drafter of another shape or method is refused."""
+    from specserve_runtime.drafters import DrafterError
+    from specserve_runtime.training.train import TrainConfig, new_drafter
+
+    settings = dict(method=method, data="d", eval_data="e", out="o", num_layers=1, block_size=4, draft_vocab_size=48)
+    sequences = [{"response_ids": list(range(60))}]
+    trained = new_drafter(TrainConfig(seed=1, **settings), tiny_llama, 95, sequences)
+    with torch.no_grad():
+        for parameter in trained.parameters():
+            parameter.add_(0.5)  # no fresh drafter looks like this
+    save = save_dflash if method == "dflash" else save_eagle3
+    save(trained, tmp_path / "trained", dtype=torch.float16)
+
+    fresh = new_drafter(TrainConfig(**settings), tiny_llama, 95, [{"response_ids": list(range(40, 95))}])
+    warm = new_drafter(TrainConfig(warm_start=str(tmp_path / "trained"), **settings), tiny_llama, 95,
+                       [{"response_ids": list(range(40, 95))}])
+    expected = (load_dflash if method == "dflash" else load_eagle3)(tmp_path / "trained").state_dict()
+    assert warm.state_dict().keys() == expected.keys() and "d2t" in expected
+    for name, tensor in warm.state_dict().items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0)
+    assert not torch.equal(fresh.state_dict()["d2t"], expected["d2t"])  # the vocabulary came from the drafter too
+
+    other_shape = {**settings, "draft_vocab_size": 32}
+    with pytest.raises(ValueError, match="the drafter has draft_vocab_size 48 \\(this run: 32\\)"):
+        new_drafter(TrainConfig(warm_start=str(tmp_path / "trained"), **other_shape), tiny_llama, 95, sequences)
+    other_method = {**settings, "method": "eagle3" if method == "dflash" else "dflash"}
+    with pytest.raises(DrafterError, match="not an? (EAGLE-3|DFlash) drafter"):
+        new_drafter(TrainConfig(warm_start=str(tmp_path / "trained"), **other_method), tiny_llama, 95, sequences)
+    if method == "dflash":
+        with pytest.raises(ValueError, match="--warm-start and --init target both choose the starting weights"):
+            TrainConfig(warm_start=str(tmp_path / "trained"), init="target", **settings)
 
 
 @pytest.mark.parametrize("method", ["dflash", "eagle3"])

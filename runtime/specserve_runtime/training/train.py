@@ -3,7 +3,9 @@
 Both recipes share this loop, the data, the target features (computed once and cached next to
 the data), the optimiser and the step budget, so their results compare fairly. Checkpoints
 are written every `checkpoint_every` steps and a run resumes from the last one; with the same
-seed a run is deterministic (anchors, data order and initialisation are seeded).
+seed a run is deterministic (anchors, data order and initialisation are seeded). A run can also
+start from a trained drafter (`warm_start`): its weights, with a fresh optimiser and learning-rate
+schedule, so a curve that is still rising is extended without repeating the steps behind it.
 """
 
 import hashlib
@@ -17,8 +19,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..drafters.dflash import DFlashConfig, DFlashDrafter, save_dflash
-from ..drafters.eagle3 import Eagle3Config, Eagle3Drafter, feature_layer_ids, save_eagle3
+from ..drafters.dflash import DFlashConfig, DFlashDrafter, load_dflash, save_dflash
+from ..drafters.eagle3 import Eagle3Config, Eagle3Drafter, feature_layer_ids, load_eagle3, save_eagle3
 from ..drafters.vocab import DraftHead, draft_token_ids, frequency_ranked, set_draft_vocab
 from ..model import Transformer
 from .distill import read_shards
@@ -56,6 +58,9 @@ class TrainConfig:
     # held-out evaluation). Half the time of an fp32 run on a CPU with avx512_bf16; the engine
     # still drafts in fp32, so outputs stay lossless whatever the drafter was trained in.
     precision: str = "fp32"
+    # A trained drafter's folder: the run starts from its weights and draft vocabulary (a warm
+    # restart: the optimiser and the learning-rate schedule, warm-up included, start afresh).
+    warm_start: str = ""
 
     @property
     def decay_gamma(self) -> float:
@@ -71,6 +76,8 @@ class TrainConfig:
         if self.init not in ("random", "target") or (self.init == "target" and self.method != "dflash"):
             raise ValueError(f"--init must be random, or target for dflash (EAGLE-3's layer reads [embedding ; "
                              f"features], twice the target's width), got {self.init!r} for {self.method}")
+        if self.warm_start and self.init != "random":
+            raise ValueError(f"--warm-start and --init {self.init} both choose the starting weights: pass one")
         if (self.block_size < 2 or self.steps < 1 or self.depth < 1 or self.anchors < 1 or self.draft_vocab_size < 0
                 or self.shards < 0):
             raise ValueError("--block-size >= 2, --steps, --depth and --anchors >= 1, --draft-vocab-size and --shards >= 0 "
@@ -149,7 +156,20 @@ def new_drafter(cfg: TrainConfig, target: Transformer, mask_token_id: int, seque
         drafter = Eagle3Drafter(Eagle3Config.for_target(target.config, draft_vocab_size))
     if draft_vocab_size:
         set_draft_vocab(drafter, frequency_ranked((r["response_ids"] for r in sequences), draft_vocab_size, vocab_size))
+    if cfg.warm_start:
+        load_trained(drafter, cfg.warm_start)
     return drafter
+
+
+def load_trained(drafter: DFlashDrafter | Eagle3Drafter, folder: str) -> None:
+    """A warm start: `drafter` takes the weights and draft vocabulary of the trained drafter in
+    `folder`, whose shape must be the one this run's settings build."""
+    trained = (load_dflash if isinstance(drafter, DFlashDrafter) else load_eagle3)(folder)
+    differences = [f"{f.name} {getattr(trained.config, f.name)} (this run: {getattr(drafter.config, f.name)})"
+                   for f in fields(drafter.config) if getattr(trained.config, f.name) != getattr(drafter.config, f.name)]
+    if differences:
+        raise ValueError(f"--warm-start {folder}: the drafter has " + ", ".join(differences))
+    drafter.load_state_dict(trained.state_dict())
 
 
 def copy_top_layers(drafter: DFlashDrafter, target: Transformer) -> None:
