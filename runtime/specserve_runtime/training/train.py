@@ -138,7 +138,8 @@ class TargetFeatures:
 
 
 def new_drafter(cfg: TrainConfig, target: Transformer, mask_token_id: int, sequences: list[dict]):
-    """A fresh drafter; a reduced draft vocabulary is the training responses' most frequent tokens."""
+    """The run's first drafter: a fresh one, whose reduced draft vocabulary is the training responses'
+    most frequent tokens, or with `warm_start` a trained one's weights and vocabulary."""
     torch.manual_seed(cfg.seed)
     vocab_size = target.config.vocab_size
     # 0 or the full size: score every token. Out of range: add_vocab_buffers names the problem.
