@@ -155,10 +155,10 @@ def new_drafter(cfg: TrainConfig, target: Transformer, mask_token_id: int, seque
             copy_top_layers(drafter, target)
     else:
         drafter = Eagle3Drafter(Eagle3Config.for_target(target.config, draft_vocab_size))
-    if draft_vocab_size:
-        set_draft_vocab(drafter, frequency_ranked((r["response_ids"] for r in sequences), draft_vocab_size, vocab_size))
-    if cfg.warm_start:
+    if cfg.warm_start:  # weights and draft vocabulary both come from the trained drafter
         load_trained(drafter, cfg.warm_start)
+    elif draft_vocab_size:
+        set_draft_vocab(drafter, frequency_ranked((r["response_ids"] for r in sequences), draft_vocab_size, vocab_size))
     return drafter
 
 
