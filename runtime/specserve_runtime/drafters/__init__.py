@@ -12,6 +12,7 @@ import torch
 
 from ..errors import DrafterError
 from ..model import ModelConfig, Transformer
+from .vocab import DraftHead, draft_token_ids
 
 
 class Proposer(Protocol):
@@ -44,6 +45,28 @@ def propose_all(prototype: Proposer, work: list[tuple[Proposer, list[int], int]]
     if batched and propose_batch is not None:
         return propose_batch(work)
     return [proposer.propose(tokens, max_drafts) for proposer, tokens, max_drafts in work]
+
+
+class ModelProposer:
+    """What the drafters with a model (EAGLE-3, DFlash) share: the frozen target whose embedding and
+    LM head they borrow, the drafter, and the target features committed since it last drafted.
+    A subclass creates its per-sequence cache in begin() and drafts in propose_batch()."""
+
+    def __init__(self, target: Transformer, drafter: torch.nn.Module, num_speculative_tokens: int):
+        self.target, self.drafter = target, drafter
+        self.num_speculative_tokens = num_speculative_tokens
+        self.tap_layers = drafter.config.target_layer_ids
+        self.head = DraftHead(target.lm_head.weight, draft_token_ids(drafter))
+        self.pending: list[torch.Tensor] = []
+
+    def extend_context(self, taps: torch.Tensor | None) -> None:
+        self.pending.append(taps)
+
+    def propose(self, tokens: list[int], max_drafts: int) -> list[int]:
+        return self.propose_batch([(self, tokens, max_drafts)])[0]
+
+    def propose_batch(self, work: list[tuple["ModelProposer", list[int], int]]) -> list[list[int]]:
+        raise NotImplementedError
 
 
 class NoDraft:

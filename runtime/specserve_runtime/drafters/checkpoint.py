@@ -1,6 +1,7 @@
 """Drafter checkpoints: a config.json and one safetensors file, in the layout the drafter's users expect."""
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,6 +35,13 @@ def load_weights(module: nn.Module, folder: str | Path) -> None:
                 f"drafter {folder}: {name} has shape {list(tensor.shape)}, config implies {list(expected[name].shape)}"
             )
     module.load_state_dict({name: t.to(expected[name].dtype) for name, t in state.items()})
+
+
+def load(folder: str | Path, build: Callable[[dict], nn.Module]) -> nn.Module:
+    """The drafter `build` makes from the folder's config.json, with the folder's weights, frozen."""
+    module = build(read_config(folder))
+    load_weights(module, folder)
+    return module.eval().requires_grad_(False)
 
 
 def save(

@@ -19,6 +19,7 @@ from ..layers import RMSNorm, RotaryEmbedding, fuse_projections
 from ..model import DecoderLayer, ModelConfig, Transformer
 from . import (
     DrafterError,
+    ModelProposer,
     ProposerOptions,
     bundled_speculative_tokens,
     check_layer_ids,
@@ -26,7 +27,7 @@ from . import (
     checkpoint,
     drafter_source,
 )
-from .vocab import DraftHead, add_vocab_buffers, draft_token_ids
+from .vocab import add_vocab_buffers, draft_token_ids
 
 DEFAULT_BLOCK_SIZE = 8
 # SmolLM2 has no mask token and no free embedding row. <empty_output> (id 16) is a special token
@@ -219,25 +220,13 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
 
-class DFlashProposer:
-    def __init__(self, target: Transformer, drafter: DFlashDrafter, num_speculative_tokens: int):
-        self.target, self.drafter = target, drafter
-        self.num_speculative_tokens = num_speculative_tokens
-        self.tap_layers = drafter.config.target_layer_ids
-        self.head = DraftHead(target.lm_head.weight, draft_token_ids(drafter))
-        self.context_cache: KVCache | None = None
-        self.pending: list[torch.Tensor] = []
+class DFlashProposer(ModelProposer):
+    context_cache: KVCache | None = None  # per sequence: the projected target features, made by begin()
 
     def begin(self, capacity: int) -> None:
         cfg = self.drafter.config
         self.context_cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity)
         self.pending = []
-
-    def extend_context(self, taps: torch.Tensor | None) -> None:
-        self.pending.append(taps)
-
-    def propose(self, tokens: list[int], max_drafts: int) -> list[int]:
-        return self.propose_batch([(self, tokens, max_drafts)])[0]
 
     @torch.inference_mode()
     def propose_batch(self, work: list[tuple["DFlashProposer", list[int], int]]) -> list[list[int]]:
@@ -291,9 +280,7 @@ def random_drafter(config: DFlashConfig, seed: int) -> DFlashDrafter:
 
 
 def load_dflash(folder: str | Path) -> DFlashDrafter:
-    drafter = DFlashDrafter(DFlashConfig.from_zlab(checkpoint.read_config(folder)))
-    checkpoint.load_weights(drafter, folder)
-    return drafter.eval().requires_grad_(False)
+    return checkpoint.load(folder, lambda config: DFlashDrafter(DFlashConfig.from_zlab(config)))
 
 
 def save_dflash(drafter: DFlashDrafter, folder: str | Path, dtype: torch.dtype | None = None) -> Path:

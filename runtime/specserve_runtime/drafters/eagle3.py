@@ -17,6 +17,7 @@ from ..layers import MLP, Attention, RMSNorm, RotaryEmbedding, causal_mask, fuse
 from ..model import ModelConfig, Transformer
 from . import (
     DrafterError,
+    ModelProposer,
     ProposerOptions,
     bundled_speculative_tokens,
     check_layer_ids,
@@ -24,7 +25,7 @@ from . import (
     checkpoint,
     drafter_source,
 )
-from .vocab import DraftHead, add_vocab_buffers, draft_token_ids
+from .vocab import add_vocab_buffers
 
 DEFAULT_TOKENS = 4
 
@@ -134,26 +135,14 @@ class Eagle3Drafter(nn.Module):
         return hidden
 
 
-class Eagle3Proposer:
-    def __init__(self, target: Transformer, drafter: Eagle3Drafter, num_speculative_tokens: int):
-        self.target, self.drafter = target, drafter
-        self.num_speculative_tokens = num_speculative_tokens
-        self.tap_layers = drafter.config.target_layer_ids
-        self.head = DraftHead(target.lm_head.weight, draft_token_ids(drafter))
-        self.cache: KVCache | None = None
-        self.pending: list[torch.Tensor] = []
-        self.num_context = 0  # drafter positions backed by real target features
+class Eagle3Proposer(ModelProposer):
+    cache: KVCache | None = None  # per sequence: the drafter layer's keys/values, made by begin()
+    num_context = 0  # drafter positions backed by real target features
 
     def begin(self, capacity: int) -> None:
         cfg = self.drafter.config
         self.cache = KVCache(1, cfg.num_key_value_heads, cfg.head_dim, capacity)
         self.pending, self.num_context = [], 0
-
-    def extend_context(self, taps: torch.Tensor | None) -> None:
-        self.pending.append(taps)
-
-    def propose(self, tokens: list[int], max_drafts: int) -> list[int]:
-        return self.propose_batch([(self, tokens, max_drafts)])[0]
 
     @torch.inference_mode()
     def propose_batch(self, work: list[tuple["Eagle3Proposer", list[int], int]]) -> list[list[int]]:
@@ -195,9 +184,7 @@ class Eagle3Proposer:
 
 
 def load_eagle3(folder: str | Path) -> Eagle3Drafter:
-    drafter = Eagle3Drafter(Eagle3Config.from_json(checkpoint.read_config(folder)))
-    checkpoint.load_weights(drafter, folder)
-    return drafter.eval().requires_grad_(False)
+    return checkpoint.load(folder, lambda config: Eagle3Drafter(Eagle3Config.from_json(config)))
 
 
 def save_eagle3(drafter: Eagle3Drafter, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
