@@ -9,6 +9,7 @@ from specserve_runtime.drafters import DrafterError, ProposerOptions, build_prop
 from specserve_runtime.drafters.dflash import DFlashConfig, export_speculators, load_dflash, random_drafter, save_dflash
 from specserve_runtime.drafters.eagle3 import Eagle3Config, Eagle3Drafter, load_eagle3, save_eagle3
 from specserve_runtime.engine import Request
+from specserve_runtime.layers import PackedLinear
 from specserve_runtime.drafters.vocab import IGNORE, DraftHead, draft_token_ids, frequency_ranked, set_draft_vocab
 
 from .test_dflash import load_with_speculators, speculators_draft_logits
@@ -34,6 +35,17 @@ def test_draft_head_scores_only_its_rows_and_maps_ids_both_ways():
     assert head.to_draft(torch.tensor([8, 89, 1])).tolist() == [4, 9, IGNORE]
     full = DraftHead(weight, None)
     assert full.to_draft(torch.tensor([1, 95])).tolist() == [1, 95]
+
+
+def test_the_inference_head_scores_on_a_packed_weight_what_the_training_head_scores():
+    weight = torch.randn(96, 16)
+    lm_head = PackedLinear(weight)
+    hidden = torch.randn(3, 2, 16)[:, 1:]  # the slice a draft step scores: 3-D, not contiguous
+    for token_ids in (DRAFT_VOCAB, None):
+        inference, training = DraftHead.for_inference(lm_head, token_ids), DraftHead(weight, token_ids)
+        assert isinstance(inference.linear, PackedLinear) and inference.linear.packed is not None
+        torch.testing.assert_close(inference.logits(hidden), training.logits(hidden))
+    assert DraftHead.for_inference(lm_head, None).linear is lm_head  # the whole vocabulary: the target's own head
 
 
 def reduced_dflash(target, seed=0):

@@ -56,7 +56,7 @@ class ModelProposer:
         self.target, self.drafter = target, drafter
         self.num_speculative_tokens = num_speculative_tokens
         self.tap_layers = drafter.config.target_layer_ids
-        self.head = DraftHead(target.lm_head.weight, draft_token_ids(drafter))
+        self.head = DraftHead.for_inference(target.lm_head, draft_token_ids(drafter))
         self.pending: list[torch.Tensor] = []
 
     def extend_context(self, taps: torch.Tensor | None) -> None:
