@@ -3,7 +3,7 @@ the rest: acceptance, commit, Python), per method, with the drafters' LM head on
 (what the engine runs) and on torch's F.linear ("/unpacked head"), interleaved in rounds.
 
 Greedy, 6 of set v2's held-out prompts (2 per category), 96 new tokens each, decode only.
-Run: .venv/bin/python docs/experiments/step_phases.py   (results in docs/benchmarks.md,
+Run: .venv/bin/python docs/experiments/step_phases.py [METHOD[/unpacked head] ...]   (results in docs/benchmarks.md,
 "The drafters' own matrix products")
 """
 
@@ -20,7 +20,7 @@ from specserve_runtime.loader import build_engine, load_model
 from specserve_runtime.store import DEFAULT_MODEL
 from specserve_runtime.training.sources import default_prompt_set
 
-METHODS = ["ar", "dflash", "dflash/unpacked head", "dflash:7", "dflash:7/unpacked head", "eagle3",
+METHODS = sys.argv[1:] or ["ar", "dflash", "dflash/unpacked head", "dflash:7", "dflash:7/unpacked head", "eagle3",
            "eagle3/unpacked head"]
 ROUNDS = 2
 

@@ -87,10 +87,12 @@ def _onednn_layout(weight: torch.Tensor) -> torch.Tensor | None:
 
 def fuse_projections(model: nn.Module) -> nn.Module:
     """Inference only: fuse every attention's q/k/v and every MLP's gate/up (gradients would not reach the views),
-    and give every matrix product of the layers a packed weight."""
+    and give every matrix product of the layers a packed weight, a drafter's feature projection `fc` too."""
     for module in list(model.modules()):  # a list: fusing replaces child modules
         if isinstance(module, (Attention, MLP)):
             module.fuse_projections()
+    if isinstance(getattr(model, "fc", None), nn.Linear):  # EAGLE-3 and DFlash: target features -> hidden size
+        model.fc = PackedLinear(model.fc.weight)
     return model
 
 
@@ -220,15 +222,20 @@ class Attention(nn.Module):
         return self._query_heads(self.q_proj(x), cos, sin)
 
     def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        return self._key_value_heads(self.k_proj(x), self.v_proj(x), cos, sin)
+        if self.qkv is None:
+            k, v = self.k_proj(x), self.v_proj(x)
+        else:  # the queries come along unused: on the few rows a step adds (DFlash's context), one
+            _, k, v = self._fused_qkv(x)  # packed product costs less than two plain ones
+        return self._key_value_heads(k, v, cos, sin)
 
     def query_key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         if self.qkv is None:
             return self.query(x, cos, sin), *self.key_value(x, cos, sin)
-        q, k, v = self.qkv(x).split(
-            [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1
-        )
+        q, k, v = self._fused_qkv(x)
         return self._query_heads(q, cos, sin), *self._key_value_heads(k, v, cos, sin)
+
+    def _fused_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.qkv(x).split([self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1)
 
     def _query_heads(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q = self._heads(q, self.num_heads)  # [1, heads, T, D]

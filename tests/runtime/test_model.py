@@ -90,7 +90,7 @@ def test_fused_projections_share_storage_and_compute_the_same(tiny_llama):
     import copy
 
     from specserve_runtime.drafters.dflash import DFlashConfig, random_drafter
-    from specserve_runtime.layers import fuse_projections
+    from specserve_runtime.layers import PackedLinear, fuse_projections
 
     attention, mlp = tiny_llama.layers[0].self_attn, tiny_llama.layers[0].mlp
     assert attention.q_proj.weight.data_ptr() == attention.qkv.weight.data_ptr()  # views: no extra memory
@@ -103,6 +103,10 @@ def test_fused_projections_share_storage_and_compute_the_same(tiny_llama):
     separate = drafter(embeds, positions, [drafter.context_kv(taps, torch.arange(6))])
     torch.testing.assert_close(fused(embeds, positions, [fused.context_kv(taps, torch.arange(6))]), separate)
     assert drafter.layers[0].mlp.gate_up is None and fused.layers[0].mlp.gate_up is not None
+    assert isinstance(fused.fc, PackedLinear) and fused.state_dict().keys() == drafter.state_dict().keys()
+    for (k, v), (k_separate, v_separate) in zip(fused.context_kv(taps, torch.arange(6)),
+                                                drafter.context_kv(taps, torch.arange(6))):
+        torch.testing.assert_close((k, v), (k_separate, v_separate))  # keys/values through the fused q/k/v product
 
 
 def test_packed_linears_compute_what_f_linear_computes(tiny_llama):
