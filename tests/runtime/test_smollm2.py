@@ -56,8 +56,8 @@ def test_greedy_speculative_output_is_token_identical_to_ar(smollm2, engines, re
 
 
 def test_bundled_drafters_verify_their_measured_number_of_drafts(engines):
-    assert engines["dflash-bundled"].proposer.num_speculative_tokens == 2  # BUNDLED_SPECULATIVE_TOKENS
-    assert engines["eagle3-bundled"].proposer.num_speculative_tokens == 2
+    assert engines["dflash-bundled"].proposer.num_speculative_tokens == 3  # BUNDLED_SPECULATIVE_TOKENS
+    assert engines["eagle3-bundled"].proposer.num_speculative_tokens == 3
     assert engines["dflash-bundled-7"].proposer.num_speculative_tokens == 7  # the whole block on request
 
 

@@ -98,7 +98,7 @@ BUNDLED = Path(__file__).parent / "weights"
 DEFAULT_DRAFTERS = {"dflash": BUNDLED / "smollm2-135m-instruct-dflash", "eagle3": BUNDLED / "smollm2-135m-instruct-eagle3"}
 # Drafts per step that measured fastest with the bundled drafters on a 2-core CPU (docs/benchmarks.md):
 # later slots are so rarely accepted that verifying them costs more than they return.
-BUNDLED_SPECULATIVE_TOKENS = {"dflash": 2, "eagle3": 2}
+BUNDLED_SPECULATIVE_TOKENS = {"dflash": 3, "eagle3": 3}
 
 
 def drafter_source(method: str, options: "ProposerOptions") -> str:
