@@ -87,12 +87,14 @@ def _onednn_layout(weight: torch.Tensor) -> torch.Tensor | None:
 
 def fuse_projections(model: nn.Module) -> nn.Module:
     """Inference only: fuse every attention's q/k/v and every MLP's gate/up (gradients would not reach the views),
-    and give every matrix product of the layers a packed weight, a drafter's feature projection `fc` too."""
+    and give every matrix product a packed weight (the layers', the LM head, a drafter's feature projection)."""
     for module in list(model.modules()):  # a list: fusing replaces child modules
         if isinstance(module, (Attention, MLP)):
             module.fuse_projections()
-    if isinstance(getattr(model, "fc", None), nn.Linear):  # EAGLE-3 and DFlash: target features -> hidden size
-        model.fc = PackedLinear(model.fc.weight)
+        else:  # (an attention's or MLP's own Linears stay: views of its fused weights, read by separate_projections)
+            for name, child in list(module.named_children()):
+                if type(child) is nn.Linear and child.bias is None:
+                    setattr(module, name, PackedLinear(child.weight))  # the parameter, its name and ties are kept
     return model
 
 

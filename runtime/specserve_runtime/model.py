@@ -20,7 +20,7 @@ from torch import nn
 
 from .errors import ModelError
 from .kv_cache import KVCache
-from .layers import MLP, Attention, PackedLinear, RMSNorm, RotaryEmbedding, causal_mask, fuse_projections
+from .layers import MLP, Attention, RMSNorm, RotaryEmbedding, causal_mask, fuse_projections
 
 SUPPORTED_ARCHITECTURES = {"llama": False, "qwen3": True}  # model_type -> per-head q/k norm
 
@@ -200,5 +200,4 @@ def load_target(folder: str | Path, dtype=torch.float32) -> Transformer:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     # The target only ever runs inference: fewer, larger matrix products, on packed weights.
-    model.lm_head = PackedLinear(model.lm_head.weight)
     return fuse_projections(model.eval().requires_grad_(False))
