@@ -4,10 +4,15 @@ per-position acceptance.
 A step that drafts L tokens per sequence commits, per sequence, 1 + p_1 + ... + p_L tokens on
 average, where p_i is the chance that the first i drafts are all accepted; it costs r(B, L) times
 a step without drafts at the same batch size B (draft and verify: a bigger batch makes each extra
-verified token dearer, and the curve differs by machine, see docs/benchmarks.md). The rule drafts
-the L in 0..K that maximises
+verified token dearer, and the curve differs by machine, see docs/benchmarks.md). The rule takes
+the L in 1..K that maximises
 
-    (1 + p_1 + ... + p_L) / r(B, L)        with r(B, 0) = 1.
+    (1 + p_1 + ... + p_L) / r(B, L)
+
+and drafts it only if that beats plain decoding (L = 0, where it is 1) by MIN_GAIN, 5%: near break-even, which is where a
+loaded server's drafting sits, the lengths' estimates differ by less than their noise, and the
+argmax of noisy estimates is on average worse than its estimate says (the winner's curse), so
+drafting there would lose a few percent while it also lengthens every step of the batch.
 
 Both sides are measured, and neither from tokens per second across time: this machine's speed
 drifts by tens of percent over a minute, so a length timed in a fast minute would beat one timed in
@@ -51,6 +56,7 @@ MAX_EXPLORE_EVERY = 256  # ... and at most, once exploring keeps confirming the 
 RATIO_SAMPLES = 5  # cost-ratio pairs kept per (bucket, length); their median is r(B, L)
 MIN_PAIRS = 3  # pairs per length before a bucket trusts its ratio
 ACCEPTANCE_DECAY = 0.01  # per decode step: the acceptance counts forget the text of ~100 steps ago
+MIN_GAIN = 1.05  # drafting must promise this much more than plain decoding's tokens per second
 MAX_PAIR_GAP = 1.0  # seconds between two steps that still share the machine's speed (it drifts over tens)
 
 
@@ -113,8 +119,13 @@ class DraftLengthChooser:
             return min(range(1, self.max_drafts + 1), key=lambda length: self.paired_at[(bucket, length)]), True
         return self._best(bucket), False
 
+    def _gain(self, bucket: int, length: int) -> float:
+        """Tokens per plain step's time when drafting `length`; plain decoding counts as MIN_GAIN, the
+        margin drafting must beat."""
+        return self.expected_tokens(length) / self.cost(bucket, length) if length else MIN_GAIN
+
     def _best(self, bucket: int) -> int:
-        return max(range(self.max_drafts + 1), key=lambda length: self.expected_tokens(length) / self.cost(bucket, length))
+        return max(range(self.max_drafts + 1), key=lambda length: self._gain(bucket, length))  # a tie: the shorter
 
     def _pair_due(self, batch_size: int) -> int | None:
         """The rest of a pair the previous step began at this batch size: its length again if that
@@ -165,7 +176,7 @@ class DraftLengthChooser:
         ratio would make `length` the choice; otherwise wait twice as long as last time."""
         del self.exploring[bucket]
         best = self._best(bucket)
-        if best == length or self.expected_tokens(length) / ratio > self.expected_tokens(best) / self.cost(bucket, best):
+        if best == length or self.expected_tokens(length) / ratio > self._gain(bucket, best):
             self.explore_every[bucket] = EXPLORE_EVERY
         else:
             self.explore_every[bucket] = min(2 * self.explore_every.get(bucket, EXPLORE_EVERY), MAX_EXPLORE_EVERY)

@@ -3,8 +3,8 @@ measured cost of drafting at each batch size, and only the speed changes, never 
 
 import pytest
 
-from specserve_runtime.adaptive import (EXPLORE_EVERY, MAX_EXPLORE_EVERY, MAX_PAIR_GAP, MIN_PAIRS, DraftLengthChooser,
-                                        batch_bucket)
+from specserve_runtime.adaptive import (EXPLORE_EVERY, MAX_EXPLORE_EVERY, MAX_PAIR_GAP, MIN_GAIN, MIN_PAIRS,
+                                        DraftLengthChooser, batch_bucket)
 from specserve_runtime.engine import Request
 
 from .test_batching import build, requests, run_batched
@@ -52,6 +52,19 @@ def test_plain_decoding_wins_when_drafting_does_not_pay():
     warmup = 3 * MIN_PAIRS * 2
     assert chosen[warmup:EXPLORE_EVERY] == [0] * (EXPLORE_EVERY - warmup)  # until the first exploring pair
     assert chooser.choose(1) == 2  # another batch size is measured on its own
+
+
+@pytest.mark.parametrize("gain, drafts", [(1.02, False), (1.08, True)])
+def test_drafting_must_beat_plain_decoding_by_a_margin(gain, drafts):
+    """Near break-even the estimates' noise picks the winner, and a loaded batch would draft at a
+    small loss: a length is drafted only if it promises MIN_GAIN times plain decoding's tokens/s."""
+    assert MIN_GAIN == 1.05
+    chooser = DraftLengthChooser(max_drafts=1)
+    # every draft accepted: 2 tokens for a step that costs 2 / gain times a plain one
+    chosen = run(chooser, 16, EXPLORE_EVERY, {0: 1.0, 1: 2.0 / gain}, {0: 0, 1: 1})
+    assert chooser.cost(16, 1) == pytest.approx(2.0 / gain)
+    settled = chosen[3 * MIN_PAIRS:EXPLORE_EVERY]
+    assert settled == ([1] * len(settled) if drafts else [0] * len(settled))
 
 
 def test_a_drifting_machine_speed_does_not_decide():
