@@ -9,10 +9,11 @@ the L in 1..K that maximises
 
     (1 + p_1 + ... + p_L) / r(B, L)
 
-and drafts it only if that beats plain decoding (L = 0, where it is 1) by MIN_GAIN, 5%: near break-even, which is where a
-loaded server's drafting sits, the lengths' estimates differ by less than their noise, and the
-argmax of noisy estimates is on average worse than its estimate says (the winner's curse), so
-drafting there would lose a few percent while it also lengthens every step of the batch.
+and drafts it only if that beats plain decoding (L = 0, where it is 1) by MIN_GAIN, 5%. Near
+break-even, which is where a loaded server's drafting sits, the lengths' estimates differ by less
+than their noise, and the argmax of noisy estimates is on average worse than its estimate says
+(the winner's curse): drafting there would lose a few percent, and it lengthens every step of the
+batch, that is every sequence's inter-token latency.
 
 Both sides are measured, and neither from tokens per second across time: this machine's speed
 drifts by tens of percent over a minute, so a length timed in a fast minute would beat one timed in
