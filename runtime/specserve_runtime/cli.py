@@ -219,11 +219,14 @@ def run_embedded_server(args) -> None:
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     method = "ar" if args.method == "none" else args.method
-    model = load_model(args.model)
-    engine = build_engine(model, method, ProposerOptions(args.drafter, args.num_speculative_tokens),
-                          args.max_num_batched_tokens, adaptive=args.speculation == "adaptive")
+
+    def load():  # in the engine's thread (server/app.py, Worker)
+        model = load_model(args.model)
+        return model, build_engine(model, method, ProposerOptions(args.drafter, args.num_speculative_tokens),
+                                   args.max_num_batched_tokens, adaptive=args.speculation == "adaptive")
+
     served_name = args.served_model_name or Path(str(args.model)).name
-    server = Server(model, engine, served_name, method, args.drafter, args.max_concurrency, args.max_num_seqs)
+    server = Server(load, served_name, method, args.drafter, args.max_concurrency, args.max_num_seqs)
     print(f"serving {served_name} ({method}) on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     serve(server, args.host, args.port)
 

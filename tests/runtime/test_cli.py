@@ -53,6 +53,11 @@ def test_model_that_is_not_a_folder(capsys, tmp_path):
     assert "is neither a folder nor a known name" in message
 
 
+def test_serve_names_a_model_that_is_not_there(capsys, tmp_path):
+    message = error_of(capsys, "serve", "--method", "ar", "--model", str(tmp_path / "absent"))
+    assert "is neither a folder nor a known name" in message
+
+
 def test_missing_default_model_cache_says_how_to_fix(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
     message = error_of(capsys, "generate", "--method", "ar", "--prompt", "hi")

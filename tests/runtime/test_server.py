@@ -238,7 +238,7 @@ async def test_full_queue_answers_429_and_disconnect_stops_generation(smollm2):
     from specserve_runtime.server.app import Server
 
     engine = HeldEngine(build_engine(smollm2, "ar"))
-    server = Server(smollm2, engine, MODEL, "ar", None, max_concurrency=1)
+    server = Server(lambda: (smollm2, engine), MODEL, "ar", None, max_concurrency=1)
     try:
         async with TestServer(server.app()) as test_server, aiohttp.ClientSession() as session:
             url = str(test_server.make_url("/v1/completions"))
@@ -288,7 +288,7 @@ async def test_the_adaptive_draft_lengths_of_every_step_are_counted(smollm2):
     from specserve_runtime.server.app import Server
 
     engine = RecordingEngine(build_engine(smollm2, "ngram", ProposerOptions(num_speculative_tokens=3), adaptive=True))
-    server = Server(smollm2, engine, MODEL, "ngram", None, max_concurrency=1)
+    server = Server(lambda: (smollm2, engine), MODEL, "ngram", None, max_concurrency=1)
     metrics = server.metrics
     try:
         async with TestServer(server.app()) as test_server, aiohttp.ClientSession() as session:
@@ -315,7 +315,8 @@ async def test_engine_failure_is_a_500_counted_as_finished_reason_error(smollm2)
 
     from specserve_runtime.server.app import Server
 
-    server = Server(smollm2, FailingEngine(build_engine(smollm2, "ar")), MODEL, "ar", None, max_concurrency=1)
+    engine = FailingEngine(build_engine(smollm2, "ar"))
+    server = Server(lambda: (smollm2, engine), MODEL, "ar", None, max_concurrency=1)
     metrics = server.metrics
     try:
         async with TestServer(server.app()) as test_server, aiohttp.ClientSession() as session:
@@ -357,7 +358,8 @@ async def test_a_request_frees_its_slot_before_its_answer_goes_out(smollm2, monk
 
     monkeypatch.setattr(Worker, "_release", spy_release)
     monkeypatch.setattr(Worker, "_emit", spy_emit)
-    server = Server(smollm2, FailingEngine(build_engine(smollm2, "ar")), MODEL, "ar", None, max_concurrency=1)
+    engine = FailingEngine(build_engine(smollm2, "ar"))
+    server = Server(lambda: (smollm2, engine), MODEL, "ar", None, max_concurrency=1)
     try:
         async with TestServer(server.app()) as test_server, aiohttp.ClientSession() as session:
             url = str(test_server.make_url("/v1/completions"))
@@ -395,7 +397,8 @@ async def test_a_request_that_cannot_start_fails_alone(smollm2):
 
     from specserve_runtime.server.app import Server
 
-    server = Server(smollm2, RefusingEngine(build_engine(smollm2, "ar"), limit=8), MODEL, "ar", None)
+    engine = RefusingEngine(build_engine(smollm2, "ar"), limit=8)
+    server = Server(lambda: (smollm2, engine), MODEL, "ar", None)
     metrics = server.metrics
     try:
         async with TestServer(server.app()) as test_server, aiohttp.ClientSession() as session:
@@ -442,7 +445,7 @@ async def test_concurrent_requests_are_decoded_in_one_batch_and_answer_as_if_alo
     prompts = ["The sea is", "My favourite fruit", "def add(a, b):", "In 1905, Einstein", "Paris is the", "Dogs"]
     limits = [12, 6, 16, 9, 12, 4]
     engine = GatedEngine(build_engine(smollm2, "ngram"))
-    server = Server(smollm2, engine, MODEL, "ngram", None, max_concurrency=6, max_num_seqs=4)
+    server = Server(lambda: (smollm2, engine), MODEL, "ngram", None, max_concurrency=6, max_num_seqs=4)
     metrics = server.metrics
     try:
         async with TestServer(server.app()) as test_server, aiohttp.ClientSession() as session:
@@ -466,6 +469,56 @@ async def test_concurrent_requests_are_decoded_in_one_batch_and_answer_as_if_alo
     assert texts == [ar_text(smollm2, prompt, limit) for prompt, limit in zip(prompts, limits)]
     assert metrics.of(metrics.running)._value.get() == 0 and metrics.of(metrics.waiting)._value.get() == 0
     assert metrics.of(metrics.success, finished_reason="length")._value.get() == 6
+
+
+class ThreadRecordingEngine(WrappedEngine):
+    """Wraps an engine: remembers the threads its steps ran in."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.threads = set()
+
+    def step(self, batch):
+        self.threads.add(threading.get_ident())
+        return self.engine.step(batch)
+
+
+async def test_the_model_loads_and_every_step_runs_in_the_engine_thread(smollm2):
+    """One thread does all of the server's torch work: a second OpenMP team, from loading the model in
+    another thread, made every served step half as slow again (server/app.py, Worker)."""
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from specserve_runtime.server.app import Server
+
+    engine, loaded_in = ThreadRecordingEngine(build_engine(smollm2, "ar")), []
+
+    def load():
+        loaded_in.append(threading.get_ident())
+        return smollm2, engine
+
+    server = Server(load, MODEL, "ar", None)
+    try:
+        async with TestServer(server.app()) as test_server, aiohttp.ClientSession() as session:
+            url = str(test_server.make_url("/v1/completions"))
+            response = await session.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 4})
+            assert response.status == 200
+    finally:
+        server.worker.stop()
+    engine_thread = server.worker.thread.ident
+    assert engine_thread != threading.get_ident()
+    assert loaded_in == [engine_thread] and engine.threads == {engine_thread}
+
+
+def test_a_model_that_fails_to_load_fails_the_server_with_its_error():
+    from specserve_runtime.errors import ModelError
+    from specserve_runtime.server.app import Server
+
+    def load():
+        raise ModelError("/models/absent is not a Hugging Face model folder (no config.json)")
+
+    with pytest.raises(ModelError, match="/models/absent is not a Hugging Face model folder"):
+        Server(load, MODEL, "ar", None)
 
 
 def test_sigterm_finishes_in_flight_requests_then_exits(smollm2):

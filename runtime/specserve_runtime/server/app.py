@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server of the embedded engine.
 
 One engine runs in a worker thread and decodes a batch of up to `max_num_seqs` requests at once
-(continuous batching: requests join and leave between engine steps). Admitted requests beyond
+(continuous batching: requests join and leave between engine steps). That thread also loads the
+model: every torch computation of the process happens in one thread (see Worker). Admitted requests beyond
 the batch wait in a queue; past `max_concurrency` admitted requests the server answers 429 with
 Retry-After instead of hanging. Each request streams its engine steps back to its handler
 through an asyncio queue; a client that disconnects sets a flag that the worker checks between
@@ -9,6 +10,7 @@ steps, which takes the request out of the batch.
 """
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import queue
@@ -16,6 +18,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -51,11 +54,20 @@ class Running:
 
 
 class Worker:
-    """Owns the engine. Admits at most `max_concurrency` requests (running + waiting) and runs at most
-    `max_num_seqs` of them in the engine's batch."""
+    """Owns the model and the engine. Admits at most `max_concurrency` requests (running + waiting) and
+    runs at most `max_num_seqs` of them in the engine's batch.
 
-    def __init__(self, engine: Engine, metrics: Metrics, max_concurrency: int, max_num_seqs: int):
-        self.engine, self.metrics = engine, metrics
+    The worker's thread loads the model too, so that one thread does all of the process's torch work.
+    Each thread that runs a parallel torch operation gets an OpenMP thread team of its own; with the
+    model loaded in the main thread and the steps run in this one, the process has two, more OpenMP
+    threads than cores, and libgomp then stops spinning between parallel regions and puts its
+    threads to sleep, so every one of the hundreds of regions in a step waits for a wake-up. Measured
+    on 2 cores, a decode step of 16 sequences: 65-69 ms with everything in one thread, 90-118 ms with
+    the model loaded in another (docs/benchmarks.md, "One thread for torch")."""
+
+    def __init__(self, load: Callable[[], tuple[LoadedModel, Engine]], metrics: Metrics, max_concurrency: int,
+                 max_num_seqs: int):
+        self.metrics = metrics
         self.max_concurrency, self.max_num_seqs = max_concurrency, max_num_seqs
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.active: set[Job] = set()  # admitted and not finished
@@ -63,8 +75,10 @@ class Worker:
         self.lock = threading.Lock()
         self.idle = threading.Event()
         self.idle.set()
-        self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        loaded: concurrent.futures.Future = concurrent.futures.Future()
+        self.thread = threading.Thread(target=self._run, args=(load, loaded), name="engine", daemon=True)
         self.thread.start()
+        loaded.result()  # the model and engine are set; a load that failed raises its error here
 
     def submit(self, job: Job) -> None:
         with self.lock:
@@ -89,7 +103,13 @@ class Worker:
     def _emit(self, job: Job, item) -> None:
         job.loop.call_soon_threadsafe(job.events.put_nowait, item)
 
-    def _run(self) -> None:
+    def _run(self, load: Callable[[], tuple[LoadedModel, Engine]], loaded: concurrent.futures.Future) -> None:
+        try:
+            self.model, self.engine = load()
+        except Exception as exc:  # e.g. a missing model: the server does not start, with this error
+            loaded.set_exception(exc)
+            return
+        loaded.set_result(None)
         batch: list[Running] = []
         stopping = False
         while batch or not stopping:
@@ -213,12 +233,15 @@ class IncrementalText:
 
 
 class Server:
-    def __init__(self, model: LoadedModel, engine: Engine, served_name: str, method: str, drafter: str | None,
-                 max_concurrency: int = 32, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, shutdown_grace: float = 30.0):
-        self.model, self.served_name = model, served_name
-        self.context_length = model.target.config.max_position_embeddings
+    def __init__(self, load: Callable[[], tuple[LoadedModel, Engine]], served_name: str, method: str,
+                 drafter: str | None, max_concurrency: int = 32, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                 shutdown_grace: float = 30.0):
+        """`load` returns the model and its engine; it runs in the engine's thread (see Worker)."""
+        self.served_name = served_name
         self.metrics = Metrics(served_name, method, drafter)
-        self.worker = Worker(engine, self.metrics, max_concurrency, max_num_seqs)
+        self.worker = Worker(load, self.metrics, max_concurrency, max_num_seqs)
+        self.model = self.worker.model
+        self.context_length = self.model.target.config.max_position_embeddings
         self.shutdown_grace = shutdown_grace
         self.draining = False
 
