@@ -46,6 +46,15 @@ length that became cheaper is confirmed within a few periods (the median needs t
 The chosen length itself is re-paired every EXPLORE_EVERY steps. Length 0 (plain decoding) is
 always a candidate.
 
+A bigger batch makes drafting dearer, never cheaper: r(2B, L) >= r(B, L). A small batch's step is
+mostly reading the weights, which extra verified tokens do not add to; a big batch's is mostly
+arithmetic, which they do. So a length whose gain, at the cost measured at the nearest smaller
+bucket, does not beat the margin cannot win at this one, and the bucket neither learns nor
+explores it: on a loaded server where drafting loses, those pairs (up to 2.5x a plain step each,
+and a catch-up of several more for a drafter that sat out) were what kept speculation below plain
+decoding (docs/benchmarks.md, "One thread for torch"). The bound follows the acceptance: when the
+text gets easier and the smaller bucket drafts again, the length is learned.
+
 Only the speed changes: every draft is still verified, so the output is the same at any length.
 """
 
@@ -111,14 +120,25 @@ class DraftLengthChooser:
         pair_length = self._pair_due(batch_size)
         if pair_length is not None:
             return pair_length, False
-        unpaired = [length for length in range(self.max_drafts, 0, -1)
-                    if len(self.ratios.get((bucket, length), ())) < MIN_PAIRS]
+        candidates = [length for length in range(self.max_drafts, 0, -1) if self._can_win(bucket, length)]
+        unpaired = [length for length in candidates if not self._trusted(bucket, length)]
         if unpaired:
             return unpaired[0], False
         steps = self.steps.get(bucket, 0)
-        if steps - self.explored_at.get(bucket, 0) >= self.explore_every.get(bucket, EXPLORE_EVERY):
-            return min(range(1, self.max_drafts + 1), key=lambda length: self.paired_at[(bucket, length)]), True
+        if candidates and steps - self.explored_at.get(bucket, 0) >= self.explore_every.get(bucket, EXPLORE_EVERY):
+            return min(candidates, key=lambda length: self.paired_at[(bucket, length)]), True
         return self._best(bucket), False
+
+    def _trusted(self, bucket: int, length: int) -> bool:
+        return len(self.ratios.get((bucket, length), ())) >= MIN_PAIRS
+
+    def _can_win(self, bucket: int, length: int) -> bool:
+        """False if `length` cannot beat the margin at this bucket even at the cost measured at the
+        nearest smaller bucket that trusts one (drafting only gets dearer with the batch)."""
+        smaller = bucket // 2
+        while smaller >= 1 and not self._trusted(smaller, length):
+            smaller //= 2
+        return smaller < 1 or self._gain(smaller, length) > MIN_GAIN
 
     def _gain(self, bucket: int, length: int) -> float:
         """Tokens per plain step's time when drafting `length`; plain decoding counts as MIN_GAIN, the
@@ -126,7 +146,11 @@ class DraftLengthChooser:
         return self.expected_tokens(length) / self.cost(bucket, length) if length else MIN_GAIN
 
     def _best(self, bucket: int) -> int:
-        return max(range(self.max_drafts + 1), key=lambda length: self._gain(bucket, length))  # a tie: the shorter
+        """The length to draft: the best of plain decoding and the lengths this bucket trusts and that
+        can still win here."""
+        lengths = [0] + [length for length in range(1, self.max_drafts + 1)
+                         if self._trusted(bucket, length) and self._can_win(bucket, length)]
+        return max(lengths, key=lambda length: self._gain(bucket, length))  # a tie: the shorter
 
     def _pair_due(self, batch_size: int) -> int | None:
         """The rest of a pair the previous step began at this batch size: its length again if that
@@ -138,7 +162,7 @@ class DraftLengthChooser:
             return None
         bucket = batch_bucket(batch_size)
         key = (bucket, previous.length)
-        if (len(self.ratios.get(key, ())) < MIN_PAIRS or self.exploring.get(bucket) == previous.length
+        if (not self._trusted(bucket, previous.length) or self.exploring.get(bucket) == previous.length
                 or self.paired_at[key] < self.steps[bucket] - EXPLORE_EVERY):
             return 0 if previous.after_drafting else previous.length
         return None

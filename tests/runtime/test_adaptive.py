@@ -67,6 +67,22 @@ def test_drafting_must_beat_plain_decoding_by_a_margin(gain, drafts):
     assert settled == ([1] * len(settled) if drafts else [0] * len(settled))
 
 
+def test_a_bigger_batch_neither_learns_nor_explores_lengths_that_lost_at_a_smaller_one():
+    """Drafting only gets dearer with the batch: lengths that cannot beat the margin at the cost
+    measured at 8 sequences are not paired at 16, not even to explore. Once the text gets easier
+    (every draft accepted) and 8 sequences find drafting pays, 16 learns it again."""
+    chooser = DraftLengthChooser(max_drafts=2)
+    rejected, all_accepted = {0: 0, 1: 0, 2: 0}, {0: 0, 1: 1, 2: 2}
+    run(chooser, 8, 40, {0: 1.0, 1: 1.5, 2: 2.0}, rejected)  # learned at 8: drafting loses
+    assert chooser.choose(8) == 0
+    at_16 = run(chooser, 16, 4 * MAX_EXPLORE_EVERY, {0: 1.0, 1: 1.6, 2: 2.2}, rejected)
+    assert at_16 == [0] * len(at_16)  # no learning pairs, no exploring ones
+    run(chooser, 8, 3 * MAX_EXPLORE_EVERY, {0: 1.0, 1: 1.5, 2: 2.0}, all_accepted)
+    assert chooser.choose(8) == 2  # 3 tokens for 2x now wins at 8
+    at_16 = run(chooser, 16, EXPLORE_EVERY, {0: 1.0, 1: 1.6, 2: 2.2}, all_accepted)
+    assert at_16[:3] == [2, 2, 0] and at_16[-1] == 2  # learned, longest first, and drafted
+
+
 def test_a_drifting_machine_speed_does_not_decide():
     """The machine is three times faster when the longer length is first timed than when the
     shorter one is (its speed falls steadily, as this VM's does over a minute): raw tokens per

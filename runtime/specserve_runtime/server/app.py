@@ -1,10 +1,10 @@
 """The OpenAI-compatible HTTP server of the embedded engine.
 
 One engine runs in a worker thread and decodes a batch of up to `max_num_seqs` requests at once
-(continuous batching: requests join and leave between engine steps). That thread also loads the
-model: every torch computation of the process happens in one thread (see Worker). Admitted requests beyond
-the batch wait in a queue; past `max_concurrency` admitted requests the server answers 429 with
-Retry-After instead of hanging. Each request streams its engine steps back to its handler
+(continuous batching: requests join and leave between engine steps); that thread also loads the
+model, so that all of the process's torch work runs in one thread (see Worker). Admitted requests
+beyond the batch wait in a queue; past `max_concurrency` admitted requests the server answers 429
+with Retry-After instead of hanging. Each request streams its engine steps back to its handler
 through an asyncio queue; a client that disconnects sets a flag that the worker checks between
 steps, which takes the request out of the batch.
 """
@@ -75,10 +75,12 @@ class Worker:
         self.lock = threading.Lock()
         self.idle = threading.Event()
         self.idle.set()
+        self.model: LoadedModel
+        self.engine: Engine  # both set by the worker's thread, before `loaded` resolves
         loaded: concurrent.futures.Future = concurrent.futures.Future()
         self.thread = threading.Thread(target=self._run, args=(load, loaded), name="engine", daemon=True)
         self.thread.start()
-        loaded.result()  # the model and engine are set; a load that failed raises its error here
+        loaded.result()  # a load that failed raises its error here
 
     def submit(self, job: Job) -> None:
         with self.lock:
@@ -378,11 +380,10 @@ class Server:
 
 
 # The engine's thread and the event loop share the GIL. At CPython's default switch interval (5 ms)
-# a thread that wants it back waits up to 5 ms while the other runs Python: the engine, which takes
-# it back after every torch call, idles with its second core while the loop streams a step's tokens,
-# and the loop's tokens wait behind engine steps. Measured served, plain decoding, 0.2 ms against
-# 5: p99 inter-token latency at 8 clients 53-59 ms against 78-149 ms, tokens/s +3-8% at 8 clients
-# and a median +4% at 16 (docs/benchmarks.md, "The GIL between the engine and the event loop").
+# a thread that wants it back waits up to 5 ms while the other runs Python, so a step's tokens can
+# wait behind the engine before the loop streams them. Measured served, plain decoding, two runtimes
+# side by side, 0.2 ms against 5: p99 inter-token latency at 8 clients 72-140 ms against 121-184 ms,
+# tokens/s the same within the noise (docs/benchmarks.md, "One thread for torch").
 GIL_SWITCH_INTERVAL = 0.0002
 
 
