@@ -43,6 +43,11 @@ chosen length) the wait doubles, up to MAX_EXPLORE_EVERY: on a loaded server whe
 the exploring steps, which cost up to twice a plain step, fall from one in 32 steps to one in 256.
 A pair whose ratio on its own would change the choice brings the wait back to EXPLORE_EVERY, so a
 length that became cheaper is confirmed within a few periods (the median needs three new pairs).
+But never sooner than the pair's own cost allows: what its drafting steps (the catch-up and the
+timed one) took beyond plain steps for the same tokens, counted in plain steps, over
+EXPLORE_BUDGET. Near break-even a single pair's noisy ratio often says its length would win, and
+exploring every 32 steps with catch-ups of several plain steps each cost a loaded server 5-6% of
+its time (docs/benchmarks.md, "One thread for torch"); the budget holds it to about 1%.
 The chosen length itself is re-paired every EXPLORE_EVERY steps. Length 0 (plain decoding) is
 always a candidate.
 
@@ -58,11 +63,13 @@ text gets easier and the smaller bucket drafts again, the length is learned.
 Only the speed changes: every draft is still verified, so the output is the same at any length.
 """
 
+import math
 import statistics
 from dataclasses import dataclass
 
 EXPLORE_EVERY = 32  # decode steps of a batch-size bucket between two exploring pairs, at first
 MAX_EXPLORE_EVERY = 256  # ... and at most, once exploring keeps confirming the choice
+EXPLORE_BUDGET = 0.01  # the share of a bucket's steps that exploring pairs may cost beyond plain decoding
 RATIO_SAMPLES = 5  # cost-ratio pairs kept per (bucket, length); their median is r(B, L)
 MIN_PAIRS = 3  # pairs per length before a bucket trusts its ratio
 ACCEPTANCE_DECAY = 0.01  # per decode step: the acceptance counts forget the text of ~100 steps ago
@@ -82,6 +89,7 @@ class DecodeStep:
     seconds: float
     ended_at: float
     after_drafting: bool  # the step before it drafted, at the same batch size: the drafter's context was current
+    tokens: int  # committed: one per sequence and its accepted drafts
 
 
 class DraftLengthChooser:
@@ -98,6 +106,7 @@ class DraftLengthChooser:
         self.explored_at: dict[int, int] = {}  # bucket -> its step count when the last exploring pair began
         self.exploring: dict[int, int] = {}  # bucket -> the length of the exploring pair under way
         self.previous: DecodeStep | None = None
+        self.before_previous: DecodeStep | None = None
 
     def acceptance(self, position: int) -> float:
         """p_position: the measured chance that drafts 1..position are all accepted (0 unmeasured)."""
@@ -192,16 +201,32 @@ class DraftLengthChooser:
             self.ratios[key] = (self.ratios.get(key, []) + [ratio])[-RATIO_SAMPLES:]
             self.paired_at[key] = self.steps[bucket]
             if self.exploring.get(bucket) == previous.length:
-                self._explored(bucket, previous.length, ratio)
-        self.previous = DecodeStep(batch_size, length, seconds, started_at + seconds,
-                                   after_drafting=adjacent and previous.length > 0)
+                self._explored(bucket, previous.length, ratio, self._pair_cost(batch_size, seconds))
+        tokens = batch_size + sum(num_accepted for _, num_accepted in verified)
+        self.before_previous, self.previous = previous, DecodeStep(
+            batch_size, length, seconds, started_at + seconds, after_drafting=adjacent and previous.length > 0,
+            tokens=tokens)
 
-    def _explored(self, bucket: int, length: int, ratio: float) -> None:
-        """An exploring pair of `length` measured `ratio`: explore again soon if, on its own, that
-        ratio would make `length` the choice; otherwise wait twice as long as last time."""
+    def _pair_cost(self, batch_size: int, plain_seconds: float) -> float:
+        """What the pair that the step of `plain_seconds` ends took beyond plain decoding, in plain
+        steps: its drafting steps' time (the timed one, and the catch-up before it if the drafter had
+        sat out) less what plain steps would have taken for the tokens they committed."""
+        timed, catch_up = self.previous, self.before_previous
+        drafting = [timed]
+        began_pair = catch_up is not None and not catch_up.after_drafting
+        if began_pair and catch_up.batch_size == batch_size and catch_up.length == timed.length:
+            drafting.append(catch_up)
+        plain_time = sum(step.tokens for step in drafting) / batch_size * plain_seconds
+        return (sum(step.seconds for step in drafting) - plain_time) / max(plain_seconds, 1e-9)
+
+    def _explored(self, bucket: int, length: int, ratio: float, cost: float) -> None:
+        """An exploring pair of `length` measured `ratio` and cost `cost` plain steps beyond plain
+        decoding: explore again soon if, on its own, that ratio would make `length` the choice,
+        otherwise wait twice as long as last time; and at least as long as the budget needs."""
         del self.exploring[bucket]
         best = self._best(bucket)
         if best == length or self.expected_tokens(length) / ratio > self._gain(bucket, best):
-            self.explore_every[bucket] = EXPLORE_EVERY
+            wait = EXPLORE_EVERY
         else:
-            self.explore_every[bucket] = min(2 * self.explore_every.get(bucket, EXPLORE_EVERY), MAX_EXPLORE_EVERY)
+            wait = min(2 * self.explore_every.get(bucket, EXPLORE_EVERY), MAX_EXPLORE_EVERY)
+        self.explore_every[bucket] = max(wait, math.ceil(cost / EXPLORE_BUDGET))

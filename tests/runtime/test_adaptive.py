@@ -3,8 +3,8 @@ measured cost of drafting at each batch size, and only the speed changes, never 
 
 import pytest
 
-from specserve_runtime.adaptive import (EXPLORE_EVERY, MAX_EXPLORE_EVERY, MAX_PAIR_GAP, MIN_GAIN, MIN_PAIRS,
-                                        DraftLengthChooser, batch_bucket)
+from specserve_runtime.adaptive import (EXPLORE_BUDGET, EXPLORE_EVERY, MAX_EXPLORE_EVERY, MAX_PAIR_GAP, MIN_GAIN,
+                                        MIN_PAIRS, DraftLengthChooser, batch_bucket)
 from specserve_runtime.engine import Request
 
 from .test_batching import build, requests, run_batched
@@ -99,13 +99,33 @@ def test_exploring_backs_off_while_it_confirms_the_choice():
     """Drafting loses throughout: each exploring pair (a catch-up step, a timed one, one without
     drafts) confirms it, so the wait to the next one doubles, up to MAX_EXPLORE_EVERY."""
     chooser = DraftLengthChooser(max_drafts=1)
-    chosen = run(chooser, 1, 1000, {0: 1.0, 1: 3.0}, {0: 0, 1: 1})  # drafting costs 3x for 2 tokens
+    chosen = run(chooser, 1, 1000, {0: 1.0, 1: 2.2}, {0: 0, 1: 1})  # drafting costs 2.2x for 2 tokens
     warmup = 3 * MIN_PAIRS
     assert chosen[:warmup] == [1, 1, 0] * MIN_PAIRS
     starts = [i for i in range(warmup, len(chosen)) if chosen[i] == 1 and chosen[i - 1] == 0]
     assert all(chosen[i:i + 3] == [1, 1, 0] for i in starts)
     assert [b - a for a, b in zip(starts, starts[1:])] == [64, 128, 256, 256, 256]
     assert MAX_EXPLORE_EVERY == 256 and starts[0] == EXPLORE_EVERY
+
+
+def test_an_exploring_pair_waits_as_long_as_its_cost_needs():
+    """A drafter that sat out pays a catch-up of many plain steps when it drafts again: the next
+    exploring pair waits at least the pair's cost (in plain steps) over EXPLORE_BUDGET, so a loaded
+    server spends about 1% of its steps exploring, not one catch-up every few dozen steps."""
+    assert EXPLORE_BUDGET == 0.01
+    chooser = DraftLengthChooser(max_drafts=1)
+    chosen, clock = [], 0.0
+    for step in range(5000):
+        length = chooser.choose(1)
+        catch_up = length and (not chosen or chosen[-1] == 0)
+        seconds = 10.0 if catch_up else 2.0 if length else 1.0  # drafting: 2 tokens for 2x, after a 10x catch-up
+        chooser.record(1, length, clock, seconds, [(length, length)])
+        chosen.append(length)
+        clock += seconds
+    starts = [i for i in range(1, len(chosen)) if chosen[i] == 1 and chosen[i - 1] == 0]
+    # the pair: 12 plain steps' time for 4 tokens, 8 plain steps beyond plain decoding, so 800 steps
+    assert [b - a for a, b in zip(starts[MIN_PAIRS:], starts[MIN_PAIRS + 1:])] == [800] * (len(starts) - MIN_PAIRS - 1)
+    assert len(starts) - MIN_PAIRS >= 5
 
 
 def test_a_length_that_became_cheaper_is_found_again_by_exploring():
