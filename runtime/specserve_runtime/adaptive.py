@@ -211,11 +211,10 @@ class DraftLengthChooser:
         """What the pair that the step of `plain_seconds` ends took beyond plain decoding, in plain
         steps: its drafting steps' time (the timed one, and the catch-up before it if the drafter had
         sat out) less what plain steps would have taken for the tokens they committed."""
-        timed, catch_up = self.previous, self.before_previous
-        drafting = [timed]
-        began_pair = catch_up is not None and not catch_up.after_drafting
-        if began_pair and catch_up.batch_size == batch_size and catch_up.length == timed.length:
-            drafting.append(catch_up)
+        timed, before = self.previous, self.before_previous
+        # `timed` drafted right after `before`, at this batch size (its after_drafting); `before` was
+        # the pair's catch-up if the drafter had sat out before it.
+        drafting = [timed] + ([before] if not before.after_drafting and before.length == timed.length else [])
         plain_time = sum(step.tokens for step in drafting) / batch_size * plain_seconds
         return (sum(step.seconds for step in drafting) - plain_time) / max(plain_seconds, 1e-9)
 
