@@ -266,13 +266,14 @@ async def test_full_queue_answers_429_and_disconnect_stops_generation(smollm2):
 
 
 class RecordingEngine(WrappedEngine):
-    """Wraps an engine: remembers the draft length each step chose."""
+    """Wraps an engine: remembers the draft length each step chose and the threads the steps ran in."""
 
     def __init__(self, engine):
         super().__init__(engine)
-        self.lengths = []
+        self.lengths, self.threads = [], set()
 
     def step(self, batch):
+        self.threads.add(threading.get_ident())
         steps = self.engine.step(batch)
         self.lengths.append(self.engine.draft_length)
         return steps
@@ -471,18 +472,6 @@ async def test_concurrent_requests_are_decoded_in_one_batch_and_answer_as_if_alo
     assert metrics.of(metrics.success, finished_reason="length")._value.get() == 6
 
 
-class ThreadRecordingEngine(WrappedEngine):
-    """Wraps an engine: remembers the threads its steps ran in."""
-
-    def __init__(self, engine):
-        super().__init__(engine)
-        self.threads = set()
-
-    def step(self, batch):
-        self.threads.add(threading.get_ident())
-        return self.engine.step(batch)
-
-
 async def test_the_model_loads_and_every_step_runs_in_the_engine_thread(smollm2):
     """One thread does all of the server's torch work: a second OpenMP team, from loading the model in
     another thread, made every served step half as slow again (server/app.py, Worker)."""
@@ -491,7 +480,7 @@ async def test_the_model_loads_and_every_step_runs_in_the_engine_thread(smollm2)
 
     from specserve_runtime.server.app import Server
 
-    engine, loaded_in = ThreadRecordingEngine(build_engine(smollm2, "ar")), []
+    engine, loaded_in = RecordingEngine(build_engine(smollm2, "ar")), []
 
     def load():
         loaded_in.append(threading.get_ident())
