@@ -120,8 +120,12 @@ class DraftLengthChooser:
         """r(B, L): a step drafting `length` against one without drafts, at this batch-size bucket."""
         return statistics.median(self.ratios[(bucket, length)]) if length else 1.0
 
-    def choose(self, batch_size: int) -> int:
-        return self._plan(batch_size)[0]
+    def choose(self, batch_size: int, timed: bool = True) -> int:
+        """The drafts per sequence for the next step of `batch_size` decoding sequences. A step that
+        also prefills a prompt chunk (`timed` False) is not recorded, so it can be no step of a pair:
+        it drafts the bucket's best length and begins nothing (a catch-up or an exploring length
+        there would be paid for and never measured)."""
+        return self._plan(batch_size)[0] if timed else self._best(batch_bucket(batch_size))
 
     def _plan(self, batch_size: int) -> tuple[int, bool]:
         """The next step's length, and whether it begins an exploring pair."""

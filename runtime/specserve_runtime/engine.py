@@ -158,7 +158,9 @@ class Engine:
             raise ValueError("a finished sequence cannot take another step")
         started, budget = time.perf_counter(), self.token_budget
         decoding = [sequence for sequence in batch if not sequence.prefilling]
-        length = self.chooser.choose(len(decoding)) if self.chooser and decoding else None  # None: the proposer's own
+        decode_only = len(decoding) == len(batch)  # no prompt chunk in the step: the chooser can time it
+        # The adaptive choice, or None: the proposer's own length.
+        length = self.chooser.choose(len(decoding), decode_only) if self.chooser and decoding else None
         self.draft_length = length
         work: list[tuple[Sequence, list[int], list[int] | None]] = []  # (sequence, new tokens, drafts)
         proposals = propose_all(self.proposer, [(s.proposer, s.tokens, self._draft_limit(s, length)) for s in decoding],
@@ -183,7 +185,7 @@ class Engine:
                 steps[id(sequence)] = self._prefilled(sequence, len(new_tokens), out)
             else:
                 steps[id(sequence)] = self._verified(sequence, drafts, out)
-        if length is not None and len(work) == len(decoding) == len(batch):  # a decode step, no prompt chunk in it
+        if length is not None and decode_only:
             verified = [(steps[id(s)].num_draft_tokens, steps[id(s)].num_accepted) for s in decoding]
             self.chooser.record(len(decoding), length, started, time.perf_counter() - started, verified)
         return [steps.get(id(sequence)) for sequence in batch]

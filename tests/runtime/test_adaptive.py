@@ -185,6 +185,26 @@ def test_only_steps_of_the_same_batch_size_are_paired():
     assert chooser.ratios == {(16, 1): [2.0 / 1.6]}  # both 16 sequences: a cost, kept for the bucket 9-16
 
 
+def test_a_step_with_a_prompt_chunk_drafts_the_best_length_and_begins_no_pair():
+    """Such a step is not recorded: a catch-up or an exploring length there would never be measured."""
+    chooser = DraftLengthChooser(max_drafts=2)
+    assert (chooser.choose(8), chooser.choose(8, timed=False)) == (2, 0)  # learning 2; nothing trusted yet
+    chosen = run(chooser, 8, EXPLORE_EVERY, {0: 1.0, 1: 1.3, 2: 1.6}, {0: 0, 1: 0, 2: 0})  # drafting never pays
+    assert chosen[-1] == 0 and chooser.choose(8) > 0  # plain decoding, until an exploring pair is due ...
+    assert chooser.choose(8, timed=False) == 0  # ... in a step that can time it
+
+
+def test_an_engine_step_with_a_prompt_chunk_is_neither_paired_nor_recorded(tiny_llama):
+    engine = build(tiny_llama, "ngram", adaptive=True)
+    running = engine.add(Request([5, 6, 7, 5, 6, 7, 5, 6], 20))
+    engine.step([running])  # its prompt
+    joining = engine.add(Request([9, 8, 7], 20))
+    engine.step([running, joining])  # one decode, and the other's prompt
+    assert engine.draft_length == 0 and engine.chooser.steps == {}  # not the learning length, and not timed
+    engine.step([running, joining])
+    assert engine.draft_length == engine.proposer.num_speculative_tokens and engine.chooser.steps == {2: 1}
+
+
 def test_acceptance_counts_every_sequence_offered_a_position():
     """An n-gram drafter often finds no guess: the sequence commits one token, and the expected
     tokens per step must say so, or drafting looks better than it is."""
