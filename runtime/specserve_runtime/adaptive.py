@@ -49,7 +49,8 @@ EXPLORE_BUDGET. Near break-even a single pair's noisy ratio often says its lengt
 exploring every 32 steps with catch-ups of several plain steps each cost a loaded server 5-6% of
 its time (docs/benchmarks.md, "One thread for torch"); the budget holds it to about 1%.
 The chosen length itself is re-paired every EXPLORE_EVERY steps. Length 0 (plain decoding) is
-always a candidate.
+always a candidate. A step that also prefills a prompt chunk is never recorded (its time is mostly
+the prompt's), so it drafts the bucket's best length and begins no pair.
 
 A bigger batch makes drafting dearer, never cheaper: r(2B, L) >= r(B, L). A small batch's step is
 mostly reading the weights, which extra verified tokens do not add to; a big batch's is mostly
