@@ -158,7 +158,7 @@ class Engine:
             raise ValueError("a finished sequence cannot take another step")
         started, budget = time.perf_counter(), self.token_budget
         decoding = [sequence for sequence in batch if not sequence.prefilling]
-        decode_only = len(decoding) == len(batch)  # no prompt chunk in the step: the chooser can time it
+        decode_only = len(decoding) == len(batch)  # no prompt in the batch: the chooser can time the step
         # The adaptive choice, or None: the proposer's own length.
         length = self.chooser.choose(len(decoding), decode_only) if self.chooser and decoding else None
         self.draft_length = length
