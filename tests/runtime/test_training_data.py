@@ -113,6 +113,47 @@ def test_distillation_resumes_and_refuses_a_truncated_shard_or_other_settings(tm
     assert shards[1].read_bytes() == truncated and shards[0].read_bytes() == written[shards[0]]  # nothing touched
 
 
+def test_a_continuation_decodes_further_the_responses_cut_at_the_limit_and_resumes(tmp_path, monkeypatch):
+    monkeypatch.setattr(distilling, "SHARD_SIZE", 2)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "split": "train"}) + "\n" for p in ["Hi!", "Name a color.", "2+2?"]))
+    source, out = tmp_path / "data", tmp_path / "continued"
+    quiet = lambda message: None
+    distilling.distill(source, prompts, max_new_tokens=4, batch_size=2, log=quiet)
+    shards = distilling.read_shards(source)
+    eos_ids = {2}  # SmolLM2's <|im_end|>
+    cut = [(path.name, line, record) for path, records in shards for line, record in enumerate(records, 1)
+           if len(record["response_ids"]) == 4 and record["response_ids"][-1] not in eos_ids]
+    assert cut  # "Name a color." says more than four tokens
+
+    run = lambda: distilling.distill(out, max_new_tokens=3, batch_size=2, continue_from=source, log=quiet)
+    run()
+    continued = [record for _, records in distilling.read_shards(out, vocab_size=49152) for record in records]
+    assert [record["continues"] for record in continued] == [f"{name}:{line}" for name, line, _ in cut]
+    for record, (_, _, original) in zip(continued, cut):  # the cut sequence is the new prompt
+        assert record["prompt_ids"] == original["prompt_ids"] + original["response_ids"]
+        assert record["prompt"] == original["prompt"] and 1 <= len(record["response_ids"]) <= 3
+    manifest = json.loads((out / "distill.json").read_text())
+    assert manifest["settings"]["continues"]["max_new_tokens"] == 4
+    written = {path: path.read_bytes() for path in out.glob("shard-*.jsonl")}
+    run()  # nothing to do
+    assert {path: path.read_bytes() for path in out.glob("shard-*.jsonl")} == written
+
+    # The source shard regenerated (here: its first record's response edited, the manifest updated to
+    # match): its continuation is stale and is refused, untouched.
+    name = cut[0][0]
+    lines = (source / name).read_text().splitlines()
+    first = json.loads(lines[0])
+    lines[0] = json.dumps({**first, "response_ids": first["response_ids"][:-1]})
+    (source / name).write_text("\n".join(lines) + "\n")
+    source_manifest = json.loads((source / "distill.json").read_text())
+    source_manifest["shards"][name]["sha256"] = distilling._sha256((source / name).read_bytes())
+    (source / "distill.json").write_text(json.dumps(source_manifest))
+    with pytest.raises(ValueError, match=rf"{name} continues another version of its source shard"):
+        run()
+    assert {path: path.read_bytes() for path in out.glob("shard-*.jsonl")} == written
+
+
 def test_responses_are_decoded_a_batch_at_a_time_each_as_it_would_alone(tiny_llama):
     """Three sequences at once, a finished one's place going to the next prompt: every response is
     the prompt's greedy decoding alone, in the prompts' order, with the EOS token kept."""

@@ -12,6 +12,11 @@ the shards records the settings (target, vocabulary, prompt file, split, length,
 each shard's size and hash: a resume with other settings, or over a truncated or edited shard, is
 refused with the file named, and nothing written is touched. The target hidden states a drafter needs are not stored here:
 training computes them once per tap set and caches them beside the shards (train.py).
+
+More data from the same prompts (`continue_from`): every response a distilled folder cut at its
+length limit is decoded further, its prompt and response becoming the new prompt. The prompt set
+has no more first turns to give, and a cut response's next tokens are the target's own text in the
+very context the drafter serves in: what it says after its 256th token.
 """
 
 import hashlib
@@ -38,37 +43,53 @@ def distill(
     max_new_tokens: int = 160,
     batch_size: int = 128,
     limit: int | None = None,
+    continue_from: str | Path | None = None,
     log=print,
 ) -> Path:
+    """Distil the prompts of `split` into `out_dir`, or with `continue_from` (a distilled folder)
+    the responses it cut at its length limit, up to `max_new_tokens` more each; `limit`: only the
+    first N prompts (responses)."""
     from tqdm import tqdm
 
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    prompts_file = prompts_file or PROMPTS_FILE
-    records = read_prompts(prompts_file, split=split)[:limit]
-    if not records:
-        raise ValueError(f"{prompts_file}: no prompts in split {split!r}")
     loaded = load_model(model)
     engine = build_engine(loaded, "ar")
-    settings = {"model": str(model), "vocab_size": len(loaded.tokenizer),
-                "prompts_sha256": _sha256(Path(prompts_file).read_bytes()), "split": split,
-                "max_new_tokens": max_new_tokens, "generator": GENERATOR}
+    settings = {"model": str(model), "vocab_size": len(loaded.tokenizer)}
+    if continue_from is None:
+        prompts_file = prompts_file or PROMPTS_FILE
+        records = read_prompts(prompts_file, split=split)[:limit]
+        if not records:
+            raise ValueError(f"{prompts_file}: no prompts in split {split!r}")
+        settings |= {"prompts_sha256": _sha256(Path(prompts_file).read_bytes()), "split": split}
+        shards = [(f"shard-{n:05d}.jsonl", records[i : i + SHARD_SIZE], None)
+                  for n, i in enumerate(range(0, len(records), SHARD_SIZE))]
+
+        def prompt_ids(record: dict) -> list[int]:  # as served: the chat template applied
+            return loaded.encode_chat([{"role": "user", "content": record["prompt"]}])
+    else:
+        source_settings, shards = _cut_responses(Path(continue_from), len(loaded.tokenizer), loaded.eos_ids, limit)
+        settings |= {"continues": source_settings}
+
+        def prompt_ids(record: dict) -> list[int]:  # the cut sequence, decoded further
+            return record["prompt_ids"] + record["response_ids"]
+    settings |= {"max_new_tokens": max_new_tokens, "generator": GENERATOR}
+    out_dir.mkdir(parents=True, exist_ok=True)
     manifest = _open_manifest(out_dir, settings)
-    shards = [records[i : i + SHARD_SIZE] for i in range(0, len(records), SHARD_SIZE)]
     done = 0
-    for number, shard in enumerate(shards):
-        path = out_dir / f"shard-{number:05d}.jsonl"
-        if path.exists():
-            _check_shard(path, manifest, planned=len(shard))
-            done += 1
-    log(f"distilling {len(records)} {split} prompts into {out_dir} ({done}/{len(shards)} shards already done)")
-    progress = tqdm(total=len(records), initial=done * SHARD_SIZE, unit="prompt", dynamic_ncols=True)
+    for name, shard, source_sha256 in shards:
+        if (out_dir / name).exists():
+            _check_shard(out_dir / name, manifest, planned=len(shard), source_sha256=source_sha256)
+            done += len(shard)
+    total = sum(len(shard) for _, shard, _ in shards)
+    what = f"{total} {split} prompts" if continue_from is None else f"{total} responses of {continue_from} cut at its limit"
+    log(f"distilling {what} into {out_dir} ({done} done)")
+    progress = tqdm(total=total, initial=done, unit="prompt", dynamic_ncols=True)
     generated, started, cpu_started = 0, time.perf_counter(), time.process_time()
-    for number, shard in enumerate(shards):
-        path = out_dir / f"shard-{number:05d}.jsonl"
-        if path.exists():
+    for name, shard, source_sha256 in shards:
+        path = out_dir / name
+        if path.exists() or not shard:
             continue
-        prompts = [loaded.encode_chat([{"role": "user", "content": r["prompt"]}]) for r in shard]
+        prompts = [prompt_ids(record) for record in shard]
 
         def finished(response: list[int]) -> None:
             nonlocal generated
@@ -83,7 +104,9 @@ def distill(
                  for record, prompt, response in zip(shard, prompts, responses)]
         text = "\n".join(lines) + "\n"
         _write_atomically(path, text)  # a shard is complete or absent
-        manifest["shards"][path.name] = {"records": len(lines), "sha256": _sha256(text.encode())}
+        manifest["shards"][name] = {"records": len(lines), "sha256": _sha256(text.encode())}
+        if source_sha256 is not None:  # a continuation is of one version of its source shard
+            manifest["shards"][name]["source_sha256"] = source_sha256
         manifest["response_tokens"] = manifest.get("response_tokens", 0) + shard_tokens
         _write_atomically(out_dir / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     progress.close()
@@ -92,6 +115,24 @@ def distill(
         log(f"generated {generated} tokens in {wall:.0f} s: {generated / wall:.1f} tokens/s, "
             f"{generated / max(cpu, 1e-9):.1f} tokens per CPU-second")
     return out_dir
+
+
+def _cut_responses(source: Path, vocab_size: int, eos_ids: set[int], limit: int | None):
+    """A distilled folder's settings, and per shard of it the records whose response stopped at the
+    length limit rather than at an end token: (shard name, records, the source shard's SHA-256)."""
+    manifest_path = source / MANIFEST
+    if not manifest_path.exists():
+        raise ValueError(f"{source}: no {MANIFEST} (not a folder written by `specserve distill`)")
+    settings = json.loads(manifest_path.read_text())["settings"]
+    length = settings["max_new_tokens"]
+    shards, left = [], limit
+    for path, records in read_shards(source, vocab_size):
+        cut = [{**record, "continues": f"{path.name}:{line}"} for line, record in enumerate(records, 1)
+               if len(record["response_ids"]) == length and record["response_ids"][-1] not in eos_ids][:left]
+        shards.append((path.name, cut, _sha256(path.read_bytes())))
+        if left is not None and (left := left - len(cut)) == 0:
+            break
+    return settings, shards
 
 
 @torch.inference_mode()
@@ -146,13 +187,17 @@ def _open_manifest(out_dir: Path, settings: dict) -> dict:
     return manifest
 
 
-def _check_shard(path: Path, manifest: dict, planned: int) -> None:
-    """A shard already written must be the one the manifest recorded, as large as this run plans."""
+def _check_shard(path: Path, manifest: dict, planned: int, source_sha256: str | None = None) -> None:
+    """A shard already written must be the one the manifest recorded, as large as this run plans
+    (and a continuation must continue the source shard as it is now)."""
     recorded = manifest["shards"].get(path.name)
     if recorded is None:
         raise ValueError(f"{path} is not in {MANIFEST} (left by an interrupted or other run?): move it away to regenerate it")
     if _sha256(path.read_bytes()) != recorded["sha256"]:
         raise ValueError(f"{path} does not match the hash in {MANIFEST} (truncated or edited): move it away to regenerate it")
+    if recorded.get("source_sha256") != source_sha256:
+        raise ValueError(f"{path} continues another version of its source shard (regenerated since?): "
+                         "move it away to regenerate it")
     if recorded["records"] != planned:
         raise ValueError(f"{path} holds {recorded['records']} prompts where this run plans {planned} "
                          "(an earlier --limit?): move it away to regenerate it")

@@ -35,7 +35,7 @@ DECAY_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}
 @dataclass
 class TrainConfig:
     method: str  # dflash | eagle3
-    data: str
+    data: str  # a distilled folder, or several joined by commas: their shards one folder after the other
     eval_data: str
     out: str
     steps: int = 1500
@@ -246,7 +246,8 @@ def train(cfg: TrainConfig, target: Transformer, mask_token_id: int, log=print) 
     out.mkdir(parents=True, exist_ok=True)
     layers = tap_layers(cfg, target)
     vocab_size = target.config.vocab_size
-    shards, eval_shards = read_shards(cfg.data, vocab_size), read_shards(cfg.eval_data, vocab_size)
+    shards = [shard for folder in cfg.data.split(",") for shard in read_shards(folder, vocab_size)]
+    eval_shards = read_shards(cfg.eval_data, vocab_size)
     if cfg.shards > len(shards):
         raise ValueError(f"--shards {cfg.shards}: {cfg.data} has only {len(shards)} shards")
     shards = shards[: cfg.shards or None]
