@@ -16,7 +16,7 @@ training computes them once per tap set and caches them beside the shards (train
 More data from the same prompts (`continue_from`): every response a distilled folder cut at its
 length limit is decoded further, its prompt and response becoming the new prompt. The prompt set
 has no more first turns to give, and a cut response's next tokens are the target's own text in the
-very context the drafter serves in: what it says after its 256th token.
+very context the drafter serves in: what it says past the limit.
 """
 
 import hashlib
