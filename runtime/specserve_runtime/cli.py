@@ -127,12 +127,8 @@ def cmd_distill(args) -> None:
 
     if args.batch_size < 1 or args.max_new_tokens < 1:
         raise UsageError("--batch-size and --max-new-tokens must be >= 1")
-    if args.continue_from is not None:
-        if args.prompts_file or args.split:
-            raise UsageError("--continue-from continues that folder's own prompts and split: drop --prompts-file and --split")
-        if not (Path(args.continue_from) / "distill.json").is_file():
-            raise UsageError(f"--continue-from {args.continue_from}: not a folder written by `specserve distill` "
-                             "(no distill.json)")
+    if args.continue_from is not None and (args.prompts_file or args.split):
+        raise UsageError("--continue-from continues that folder's own prompts and split: drop --prompts-file and --split")
     distill(
         args.out, args.prompts_file, args.split or "train", args.model, args.max_new_tokens, args.batch_size, args.limit,
         args.continue_from, log=lambda message: print(message, file=sys.stderr),

@@ -123,16 +123,16 @@ def _cut_responses(source: Path, vocab_size: int, eos_ids: set[int], limit: int 
     manifest_path = source / MANIFEST
     if not manifest_path.exists():
         raise ValueError(f"{source}: no {MANIFEST} (not a folder written by `specserve distill`)")
-    settings = json.loads(manifest_path.read_text())["settings"]
-    length = settings["max_new_tokens"]
+    manifest = json.loads(manifest_path.read_text())
+    length = manifest["settings"]["max_new_tokens"]
     shards, left = [], limit
-    for path, records in read_shards(source, vocab_size):
+    for path, records in read_shards(source, vocab_size):  # each checked against its hash in the manifest
         cut = [{**record, "continues": f"{path.name}:{line}"} for line, record in enumerate(records, 1)
                if len(record["response_ids"]) == length and record["response_ids"][-1] not in eos_ids][:left]
-        shards.append((path.name, cut, _sha256(path.read_bytes())))
+        shards.append((path.name, cut, manifest["shards"][path.name]["sha256"]))
         if left is not None and (left := left - len(cut)) == 0:
             break
-    return settings, shards
+    return manifest["settings"], shards
 
 
 @torch.inference_mode()
