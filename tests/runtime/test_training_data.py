@@ -126,6 +126,9 @@ def test_a_continuation_decodes_further_the_responses_cut_at_the_limit_and_resum
            if len(record["response_ids"]) == 4 and record["response_ids"][-1] not in eos_ids]
     assert cut  # "Name a color." says more than four tokens
 
+    with pytest.raises(ValueError, match=r"nowhere: no distill\.json \(not a folder written by `specserve distill`\)"):
+        distilling.distill(out, continue_from=tmp_path / "nowhere", log=quiet)
+    assert not out.exists()  # nothing written
     run = lambda: distilling.distill(out, max_new_tokens=3, batch_size=2, continue_from=source, log=quiet)
     run()
     continued = [record for _, records in distilling.read_shards(out, vocab_size=49152) for record in records]
