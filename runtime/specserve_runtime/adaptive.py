@@ -36,7 +36,9 @@ sequences: 8 ms after 32 idle steps, 67 ms after 256, where a plain step of 16 t
 same CPU) and that drafting every step never pays. So a pair is three steps: L (the catch-up), L
 (timed), 0 (timed).
 
-Each bucket starts by pairing every length MIN_PAIRS times, longest first. Then it explores: it
+Each bucket starts by pairing every length MIN_PAIRS times, longest first, or one time fewer for a
+length that loses even at the lowest of its ratios so far (no last pair could make it win: where
+drafting is at break-even, the pairs of losing lengths are what learning costs). Then it explores: it
 re-measures the least recently paired length, first EXPLORE_EVERY steps after the last exploring
 pair, and each time that pair leaves the choice as it was (its ratio on its own would not beat the
 chosen length) the wait doubles, up to MAX_EXPLORE_EVERY: on a loaded server where drafting loses,
@@ -144,7 +146,14 @@ class DraftLengthChooser:
         return self._best(bucket), False
 
     def _trusted(self, bucket: int, length: int) -> bool:
-        return len(self.ratios.get((bucket, length), ())) >= MIN_PAIRS
+        """Whether the bucket's ratios for `length` decide: MIN_PAIRS of them, or one fewer when the
+        length loses even at the lowest of those. A last ratio, however low, leaves the median of
+        MIN_PAIRS >= 3 ratios at or above the lowest of the others: no last pair could make the
+        length win, so it is not paid for."""
+        ratios = self.ratios.get((bucket, length), ())
+        if len(ratios) >= MIN_PAIRS:
+            return True
+        return len(ratios) == MIN_PAIRS - 1 and self.expected_tokens(length) <= MIN_GAIN * min(ratios)
 
     def _can_win(self, bucket: int, length: int) -> bool:
         """False if `length` cannot beat the margin at this bucket even at the cost measured at the

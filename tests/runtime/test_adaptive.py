@@ -39,6 +39,19 @@ def test_each_length_is_paired_with_a_step_without_drafts_then_the_best_is_used(
     assert set(chosen[warmup:EXPLORE_EVERY]) == {2}  # 3 tokens for 1.5x beats 4 for 2.5x, 2 for 1.2x and 1 for 1x
 
 
+@pytest.mark.parametrize("cost_of_one, pairs_of_one", [(2.2, MIN_PAIRS - 1), (1.8, MIN_PAIRS)])
+def test_a_length_that_no_last_pair_could_make_win_is_learned_one_pair_early(cost_of_one, pairs_of_one):
+    """Every draft accepted; drafting 2 costs 1.5x a plain step (3 tokens: it wins). Drafting 1 at
+    2.2x (2 tokens) loses at each ratio, so a third ratio, however low, could not make it win; at
+    1.8x it would (2 / 1.8 beats the margin) and is paired MIN_PAIRS times, as a winner is."""
+    chooser = DraftLengthChooser(max_drafts=2)
+    chosen = run(chooser, 8, EXPLORE_EVERY, {0: 1.0, 1: cost_of_one, 2: 1.5}, {0: 0, 1: 1, 2: 2})
+    learning = [2, 2, 0] * MIN_PAIRS + [1, 1, 0] * pairs_of_one  # longest first: catch-up, timed, plain
+    assert chosen[:len(learning)] == learning
+    assert len(chooser.ratios[(8, 1)]) == pairs_of_one and len(chooser.ratios[(8, 2)]) == MIN_PAIRS
+    assert set(chosen[len(learning):]) == {2}
+
+
 def test_plain_decoding_wins_when_drafting_does_not_pay():
     chooser = DraftLengthChooser(max_drafts=2)
     # a loaded batch: drafting doubles the step, and only the first draft is accepted half the time
@@ -100,8 +113,8 @@ def test_exploring_backs_off_while_it_confirms_the_choice():
     drafts) confirms it, so the wait to the next one doubles, up to MAX_EXPLORE_EVERY."""
     chooser = DraftLengthChooser(max_drafts=1)
     chosen = run(chooser, 1, 1000, {0: 1.0, 1: 2.2}, {0: 0, 1: 1})  # drafting costs 2.2x for 2 tokens
-    warmup = 3 * MIN_PAIRS
-    assert chosen[:warmup] == [1, 1, 0] * MIN_PAIRS
+    warmup = 3 * (MIN_PAIRS - 1)  # it loses at both ratios: a third could not make it win
+    assert chosen[:warmup] == [1, 1, 0] * (MIN_PAIRS - 1) and chosen[warmup] == 0
     starts = [i for i in range(warmup, len(chosen)) if chosen[i] == 1 and chosen[i - 1] == 0]
     assert all(chosen[i:i + 3] == [1, 1, 0] for i in starts)
     assert [b - a for a, b in zip(starts, starts[1:])] == [64, 128, 256, 256, 256]
