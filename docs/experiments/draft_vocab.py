@@ -9,7 +9,6 @@ Run: .venv/bin/python docs/experiments/draft_vocab.py [SEQUENCES]   (results in 
 """
 
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -22,19 +21,16 @@ from specserve_runtime.drafters.vocab import DraftHead, draft_token_ids, frequen
 from specserve_runtime.loader import load_model
 from specserve_runtime.store import DEFAULT_MODEL
 from specserve_runtime.training.distill import read_shards
-from specserve_runtime.training.recipes import dflash_loss
-from specserve_runtime.training.train import TargetFeatures, _first_sequences
+from specserve_runtime.training.train import TargetFeatures, TrainConfig, evaluate, first_sequences
 
 SEQUENCES = int(sys.argv[1]) if len(sys.argv) > 1 else 256
-ANCHORS, GAMMA = 48, 4.0
 
 target = load_model(DEFAULT_MODEL).target
 vocab_size = target.config.vocab_size
 drafter = load_dflash(ROOT / "runtime/specserve_runtime/drafters/weights/smollm2-135m-instruct-dflash")
 train_responses = [r["response_ids"] for _, records in read_shards(ROOT / "runtime/data/distill-v2", vocab_size)
                    for r in records]
-eval_shards = _first_sequences(read_shards(ROOT / "runtime/data/distill-v2-eval", vocab_size), SEQUENCES)
-records = [r for _, shard in eval_shards for r in shard][:SEQUENCES]
+eval_shards, records = first_sequences(read_shards(ROOT / "runtime/data/distill-v2-eval", vocab_size), SEQUENCES)
 taps = TargetFeatures(target, eval_shards, feature_layer_ids(target.config.num_hidden_layers), print)
 held_out_tokens = torch.tensor([t for r in records for t in r["response_ids"]])
 
@@ -43,19 +39,13 @@ for size in (16384, 32768):
     vocabularies[f"{size:,}"] = frequency_ranked(train_responses, size, vocab_size)
 vocabularies[f"{vocab_size:,} (whole)"] = None
 
-print(f"{len(records)} held-out sequences, {held_out_tokens.numel():,} response tokens, {ANCHORS} anchors each")
+# Training's own held-out evaluation (48 fixed anchors per sequence, the loss's block-8 gamma).
+cfg = TrainConfig(method="dflash", data="", eval_data="", out="")
+print(f"{len(records)} held-out sequences, {held_out_tokens.numel():,} response tokens, {cfg.anchors} anchors each")
 print("| draft vocabulary | held-out coverage | tau | " + " | ".join(sorted({r['category'] for r in records})) + " |")
 for name, token_ids in vocabularies.items():
     head = DraftHead(target.lm_head.weight, token_ids)
     coverage = 1.0 if token_ids is None else float(torch.isin(held_out_tokens, token_ids).float().mean())
-    generator = torch.Generator().manual_seed(1234)
-    per_category = defaultdict(list)
-    with torch.no_grad():
-        for record, features in zip(records, taps):
-            tokens = torch.tensor(record["prompt_ids"] + record["response_ids"])
-            _, stats = dflash_loss(drafter, target, head, tokens, features.float(), len(record["prompt_ids"]),
-                                   ANCHORS, GAMMA, generator)
-            per_category[record["category"]].append(stats["tau"])
-    every = [tau for taus in per_category.values() for tau in taus]
-    cells = [f"{sum(per_category[c]) / len(per_category[c]):.2f}" for c in sorted(per_category)]
-    print(f"| {name} | {coverage:.1%} | {sum(every) / len(every):.2f} | " + " | ".join(cells) + " |")
+    result = evaluate(cfg, drafter, target, head, records, taps)
+    cells = [f"{tau:.2f}" for tau in result["tau_by_category"].values()]
+    print(f"| {name} | {coverage:.1%} | {result['tau']:.2f} | " + " | ".join(cells) + " |")

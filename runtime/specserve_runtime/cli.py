@@ -168,8 +168,8 @@ def cmd_train_drafter(args) -> None:
 
     data, eval_data = _training_data(args)
     settings = _given(args, ("steps", "lr", "seed", "block_size", "num_layers", "anchors", "gamma", "depth",
-                             "draft_vocab_size", "eval_every", "checkpoint_every", "targets", "init", "shards",
-                             "precision", "warm_start"))
+                             "draft_vocab_size", "eval_every", "eval_sequences", "checkpoint_every", "targets", "init",
+                             "shards", "precision", "warm_start"))
     config = TrainConfig(method=args.method, data=data, eval_data=eval_data, out=args.out, **settings)
     model = load_model(args.model)
     summary = train(config, model.target, model.mask_token_id(), log=lambda message: print(message, file=sys.stderr))
@@ -527,6 +527,8 @@ def build_parser() -> Parser:
     training_arguments(trainer, "run folder: checkpoints, training.json, drafter/",
                        (("--steps", int), ("--block-size", int), ("--num-layers", int), ("--depth", int),
                         ("--eval-every", int), ("--checkpoint-every", int)))
+    trainer.add_argument("--eval-sequences", type=int,
+                         help="held-out sequences evaluated, the first N of --eval-data (default 24)")
     trainer.add_argument("--targets", choices=["argmax", "logits"],
                          help="learn the data token (default) or the target's whole distribution (forward KL)")
     trainer.add_argument("--init", choices=["random", "target"],

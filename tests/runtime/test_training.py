@@ -173,6 +173,24 @@ def test_an_interrupted_run_resumes_to_the_same_drafter(tiny_llama, tmp_path, mo
     assert training.train(config, tiny_llama, 95, log=quiet)["history"] == resumed["history"]
 
 
+def test_held_out_evaluation_reports_each_category_and_reads_only_the_shards_it_needs(monkeypatch):
+    """The drafter issue's per-domain acceptance: each category's tau is the mean over its own sequences."""
+    from specserve_runtime.training import train as training
+
+    shards = [("a", [{"category": "math", "tau": 3.0}, {"category": "chat", "tau": 1.0}]),
+              ("b", [{"category": "math", "tau": 2.0}, {"tau": 1.5}]), ("c", [{"category": "code", "tau": 9.0}])]
+    needed, records = training.first_sequences(shards, 4)
+    assert [name for name, _ in needed] == ["a", "b"] and len(records) == 4  # shard c's features are never computed
+    assert training.first_sequences(shards, 3)[1] == records[:3]
+    monkeypatch.setattr(training, "sequence_loss",
+                        lambda cfg, drafter, target, head, record, taps, generator: (torch.tensor(1.0), {"tau": record["tau"], "accuracy": 0.5}))
+    result = training.evaluate(None, torch.nn.Linear(1, 1), None, None, records, [None] * 4)
+    assert result["tau"] == pytest.approx(7.5 / 4) and result["accuracy"] == 0.5 and result["loss"] == 1.0
+    assert result["tau_by_category"] == {"all": 1.5, "chat": 1.0, "math": 2.5}  # a record without one counts as "all"
+    with pytest.raises(ValueError, match="--eval-sequences >= 1"):
+        training.TrainConfig(method="dflash", data="d", eval_data="e", out="o", eval_sequences=0)
+
+
 def test_the_sweep_varies_one_factor_at_a_time_around_the_base():
     from specserve_runtime.training.sweep import sweep_configs
     from specserve_runtime.training.train import TrainConfig
@@ -340,3 +358,4 @@ def test_the_loss_decay_follows_the_block_size_unless_given():
     config = lambda **flags: TrainConfig(method="dflash", data="d", eval_data="e", out="o", **flags)  # noqa: E731
     assert [config(block_size=b).decay_gamma for b in (4, 8, 10, 16)] == [2.0, 4.0, 5.0, 7.0]
     assert config(block_size=16, gamma=3.0).decay_gamma == 3.0
+

@@ -78,10 +78,10 @@ class TrainConfig:
                              f"features], twice the target's width), got {self.init!r} for {self.method}")
         if self.warm_start and self.init != "random":
             raise ValueError(f"--warm-start and --init {self.init} both choose the starting weights: pass one")
-        if (self.block_size < 2 or self.steps < 1 or self.depth < 1 or self.anchors < 1 or self.draft_vocab_size < 0
-                or self.shards < 0):
-            raise ValueError("--block-size >= 2, --steps, --depth and --anchors >= 1, --draft-vocab-size and --shards >= 0 "
-                             "are required")
+        if (self.block_size < 2 or self.steps < 1 or self.depth < 1 or self.anchors < 1 or self.eval_sequences < 1
+                or self.draft_vocab_size < 0 or self.shards < 0):
+            raise ValueError("--block-size >= 2, --steps, --depth, --anchors and --eval-sequences >= 1, --draft-vocab-size "
+                             "and --shards >= 0 are required")
 
 
 class TargetFeatures:
@@ -209,27 +209,32 @@ def sequence_loss(cfg: TrainConfig, drafter, target, head: DraftHead, record: di
 
 @torch.no_grad()
 def evaluate(cfg: TrainConfig, drafter, target, head: DraftHead, sequences, taps) -> dict:
-    """Teacher-forced acceptance on held-out sequences (fixed anchors: comparable across steps)."""
+    """Teacher-forced acceptance on held-out sequences (fixed anchors: comparable across steps), in
+    all and per category of prompt (chat, code, math: the drafter issue's domains)."""
     drafter.eval()
     generator = torch.Generator().manual_seed(1234)
     results = [sequence_loss(cfg, drafter, target, head, r, t, generator) for r, t in zip(sequences, taps)]
     drafter.train()
+    by_category = {}
+    for record, (_, stats) in zip(sequences, results):
+        by_category.setdefault(record.get("category", "all"), []).append(stats["tau"])
     return {
         "loss": sum(float(loss) for loss, _ in results) / len(results),
         "tau": sum(s["tau"] for _, s in results) / len(results),
         "accuracy": sum(s["accuracy"] for _, s in results) / len(results),
+        "tau_by_category": {c: round(sum(taus) / len(taus), 4) for c, taus in sorted(by_category.items())},
     }
 
 
-def _first_sequences(shards: list[tuple[Path, list[dict]]], count: int) -> list[tuple[Path, list[dict]]]:
-    """The shards that hold the first `count` sequences: only their features are needed."""
+def first_sequences(shards: list[tuple[Path, list[dict]]], count: int) -> tuple[list[tuple[Path, list[dict]]], list[dict]]:
+    """The first `count` sequences of `shards`, and the shards that hold them: only their features are needed."""
     needed, total = [], 0
     for shard in shards:
         if total >= count:
             break
         needed.append(shard)
         total += len(shard[1])
-    return needed
+    return needed, [record for _, records in needed for record in records][:count]
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:
@@ -252,8 +257,7 @@ def train(cfg: TrainConfig, target: Transformer, mask_token_id: int, log=print) 
         raise ValueError(f"--shards {cfg.shards}: {cfg.data} has only {len(shards)} shards")
     shards = shards[: cfg.shards or None]
     data = [record for _, records in shards for record in records]
-    eval_shards = _first_sequences(eval_shards, cfg.eval_sequences)
-    eval_data = [record for _, records in eval_shards for record in records][: cfg.eval_sequences]
+    eval_shards, eval_data = first_sequences(eval_shards, cfg.eval_sequences)
     drafter = new_drafter(cfg, target, mask_token_id, data).train()  # before the slow feature pass: bad settings fail fast
     taps = TargetFeatures(target, shards, layers, log)
     eval_taps = TargetFeatures(target, eval_shards, layers, log)
@@ -293,8 +297,12 @@ def train(cfg: TrainConfig, target: Transformer, mask_token_id: int, log=print) 
         done = step + 1
         if done % cfg.eval_every == 0 or done == cfg.steps:
             held_out = evaluate(cfg, drafter, target, head, eval_data, eval_taps)
-            history.append({"step": done, "seconds": round(seconds, 1), **{k: round(v, 4) for k, v in held_out.items()}})
-            message = f"step {done}: held-out tau {held_out['tau']:.2f}, accuracy {held_out['accuracy']:.3f}, loss {held_out['loss']:.3f}"
+            by_category = held_out.pop("tau_by_category")
+            history.append({"step": done, "seconds": round(seconds, 1), **{k: round(v, 4) for k, v in held_out.items()},
+                            "tau_by_category": by_category})
+            categories = ", ".join(f"{c} {tau:.2f}" for c, tau in by_category.items())
+            message = (f"step {done}: held-out tau {held_out['tau']:.2f} ({categories}), accuracy {held_out['accuracy']:.3f}, "
+                       f"loss {held_out['loss']:.3f}")
             progress.write(message, file=sys.stderr)  # beside the bar: stdout carries only the result
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:
             torch.save(
