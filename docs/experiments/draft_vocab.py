@@ -2,7 +2,7 @@
 
 The drafter shares the target's LM head; its draft vocabulary only chooses which rows it scores,
 so the same trained weights can be evaluated with more rows. Teacher-forced, on the held-out
-sequences of runtime/data/distill-v2-eval (fixed anchors, as training evaluates), per category:
+sequences of runtime/data/distill-v2-eval (after every response token, as training evaluates), per category:
 the bundled 8,192 tokens against the 16,384 / 32,768 most frequent training-response tokens and the
 whole vocabulary, with each vocabulary's coverage of the held-out response tokens.
 Run: .venv/bin/python docs/experiments/draft_vocab.py [SEQUENCES]   (results in docs/benchmarks.md)
@@ -39,13 +39,13 @@ for size in (16384, 32768):
     vocabularies[f"{size:,}"] = frequency_ranked(train_responses, size, vocab_size)
 vocabularies[f"{vocab_size:,} (whole)"] = None
 
-# Training's own held-out evaluation (48 fixed anchors per sequence, the loss's block-8 gamma).
+# Training's own held-out evaluation (teacher-forced after every response token; block 8).
 cfg = TrainConfig(method="dflash", data="", eval_data="", out="")
-print(f"{len(records)} held-out sequences, {held_out_tokens.numel():,} response tokens, {cfg.anchors} anchors each")
+print(f"{len(records)} held-out sequences, {held_out_tokens.numel():,} response tokens")
 print("| draft vocabulary | held-out coverage | tau | " + " | ".join(sorted({r['category'] for r in records})) + " |")
 for name, token_ids in vocabularies.items():
     head = DraftHead(target.lm_head.weight, token_ids)
     coverage = 1.0 if token_ids is None else float(torch.isin(held_out_tokens, token_ids).float().mean())
     result = evaluate(cfg, drafter, target, head, records, taps)
-    cells = [f"{tau:.2f}" for tau in result["tau_by_category"].values()]
+    cells = [f"{category['tau']:.2f}" for category in result["by_category"].values()]
     print(f"| {name} | {coverage:.1%} | {result['tau']:.2f} | " + " | ".join(cells) + " |")

@@ -176,6 +176,31 @@ def cmd_train_drafter(args) -> None:
     print(json.dumps(summary["history"][-1] if summary["history"] else {}))
 
 
+def cmd_eval_drafter(args) -> None:
+    from .drafters import DEFAULT_DRAFTERS
+    from .loader import load_model
+    from .store import cache_root
+    from .training.train import evaluate_drafter
+
+    folder = args.drafter or str(DEFAULT_DRAFTERS[args.method])
+    eval_data = args.eval_data or str(cache_root() / "data" / "distill-v1-eval")
+    if not Path(eval_data).is_dir():
+        raise UsageError(f"--eval-data {eval_data}: no such folder (run `specserve distill` first)")
+    if args.eval_sequences < 1:
+        raise UsageError(f"--eval-sequences must be >= 1, got {args.eval_sequences}")
+    model = load_model(args.model)
+    result = evaluate_drafter(args.method, folder, model.target, eval_data, args.eval_sequences, args.drafts,
+                              log=lambda message: print(message, file=sys.stderr))
+    print(f"{args.method} drafter {folder}, {result['drafts']} drafts, {result['sequences']} held-out sequences of "
+          f"{eval_data} (T=0, teacher-forced):", file=sys.stderr)
+    print("| prompts | tau, every position | tau in the engine | per-position acceptance in the engine |", file=sys.stderr)
+    print("|---|---|---|---|", file=sys.stderr)
+    for name, row in {"all": result, **result["by_category"]}.items():
+        positions = " ".join(f"{p:.2f}" for p in row["engine_per_position"])
+        print(f"| {name} | {row['tau']:.2f} | {row['engine_tau']:.2f} | {positions} |", file=sys.stderr)
+    print(json.dumps(result))
+
+
 def cmd_sweep_drafter(args) -> None:
     from .loader import load_model
     from .training.sweep import sweep, sweep_table
@@ -541,6 +566,17 @@ def build_parser() -> Parser:
                          help="training forward/backward in fp32 (default) or under bf16 autocast (faster on CPUs "
                               "with avx512_bf16; weights, optimiser and evaluation stay fp32)")
     trainer.set_defaults(run=cmd_train_drafter)
+
+    evaluator = commands.add_parser("eval-drafter", help="a drafter's held-out acceptance at T=0, as the engine would "
+                                    "measure it, from one teacher-forced pass per sequence")
+    evaluator.add_argument("--method", required=True, choices=["dflash", "eagle3"])
+    evaluator.add_argument("--drafter", help="trained drafter folder (default: the bundled one)")
+    evaluator.add_argument("--model", default=DEFAULT_MODEL)
+    evaluator.add_argument("--eval-data", help="distilled held-out data (default: the cache's distill-v1-eval)")
+    evaluator.add_argument("--eval-sequences", type=int, default=256, help="the first N sequences (default 256)")
+    evaluator.add_argument("--drafts", type=int, help="drafts per step, as the engine's METHOD:K (default: DFlash's "
+                           "block size - 1, EAGLE-3's 4)")
+    evaluator.set_defaults(run=cmd_eval_drafter)
 
     sweeper = commands.add_parser("sweep-drafter", help="short DFlash runs varying block size and draft layers (resumable)")
     training_arguments(sweeper, "sweep folder: one run folder per setting, sweep.json", ())

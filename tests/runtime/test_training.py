@@ -14,6 +14,7 @@ from specserve_runtime.training.recipes import (
     block_mask,
     dflash_loss,
     eagle3_loss,
+    engine_walk,
     position_weights,
     sample_anchors,
 )
@@ -173,22 +174,75 @@ def test_an_interrupted_run_resumes_to_the_same_drafter(tiny_llama, tmp_path, mo
     assert training.train(config, tiny_llama, 95, log=quiet)["history"] == resumed["history"]
 
 
+def test_the_engine_walk_stops_where_drafts_fail_and_skips_accepted_runs():
+    accepted = [3, 9, 9, 9, 0, 1, 0, 5]  # drafts accepted after each of 8 response tokens
+    visited = engine_walk(accepted)
+    assert visited == [3, 0, 1, 0]  # from 0 to 4 (3 drafts + the target's token), 5, 7; at 7 no room is left
+    assert sum(1 + a for a in visited) == len(accepted)  # every token once, as the engine at max_new_tokens
+
+
 def test_held_out_evaluation_reports_each_category_and_reads_only_the_shards_it_needs(monkeypatch):
-    """The drafter issue's per-domain acceptance: each category's tau is the mean over its own sequences."""
+    """The drafter issue's per-domain acceptance: each category from its own sequences' positions and walks."""
     from specserve_runtime.training import train as training
 
-    shards = [("a", [{"category": "math", "tau": 3.0}, {"category": "chat", "tau": 1.0}]),
-              ("b", [{"category": "math", "tau": 2.0}, {"tau": 1.5}]), ("c", [{"category": "code", "tau": 9.0}])]
+    shards = [("a", [{"category": "math", "accepted": [3, 0, 0, 0]}, {"category": "chat", "accepted": [0, 0]}]),
+              ("b", [{"category": "math", "accepted": [1, 0, 2, 0]}, {"accepted": [0]}]), ("c", [{"category": "code"}])]
     needed, records = training.first_sequences(shards, 4)
     assert [name for name, _ in needed] == ["a", "b"] and len(records) == 4  # shard c's features are never computed
     assert training.first_sequences(shards, 3)[1] == records[:3]
-    monkeypatch.setattr(training, "sequence_loss",
-                        lambda cfg, drafter, target, head, record, taps, generator: (torch.tensor(1.0), {"tau": record["tau"], "accuracy": 0.5}))
-    result = training.evaluate(None, torch.nn.Linear(1, 1), None, None, records, [None] * 4)
-    assert result["tau"] == pytest.approx(7.5 / 4) and result["accuracy"] == 0.5 and result["loss"] == 1.0
-    assert result["tau_by_category"] == {"all": 1.5, "chat": 1.0, "math": 2.5}  # a record without one counts as "all"
+    anchors = []
+
+    def stats(cfg, drafter, target, head, record, taps, generator):
+        anchors.append(cfg.anchors)
+        return torch.tensor(1.0), {"accepted": record["accepted"], "accuracy": 0.5}
+
+    monkeypatch.setattr(training, "sequence_loss", stats)
+    cfg = training.TrainConfig(method="dflash", data="d", eval_data="e", out="o", block_size=4)
+    result = training.evaluate(cfg, torch.nn.Linear(1, 1), None, None, records, [None] * 4, drafts=2)
+    assert anchors == [training.EVERY_POSITION] * 4  # a block after every response token
+    # math, capped at 2 drafts: positions [2,0,0,0] and [1,0,2,0]; walks [2,0] and [1,1] (one short of the end)
+    math = result["by_category"]["math"]
+    assert math["tau"] == pytest.approx(1 + 5 / 8) and math["engine_tau"] == pytest.approx(8 / 4)
+    assert math["engine_per_position"] == [pytest.approx(3 / 4), pytest.approx(1 / 4)]
+    assert result["by_category"].keys() == {"chat", "math"}  # a record without a category counts in "all" only
+    assert result["engine_tau"] == pytest.approx(11 / 7) and result["loss"] == 1.0 and result["accuracy"] == 0.5
     with pytest.raises(ValueError, match="--eval-sequences >= 1"):
         training.TrainConfig(method="dflash", data="d", eval_data="e", out="o", eval_sequences=0)
+
+
+@pytest.mark.parametrize("method", ["dflash", "eagle3"])
+def test_held_out_engine_tau_is_what_the_engine_measures(tiny_llama, method):
+    """The teacher-forced walk predicts the engine at T=0: the same verify steps and the same drafts accepted."""
+    from specserve_runtime.engine import Engine, Request
+    from specserve_runtime.training import train as training
+
+    from .conftest import ByteTokenizer
+    from .test_engine import PROMPT
+
+    plain = Engine(tiny_llama, ByteTokenizer(), build_proposer("ar", tiny_llama), set()).generate(Request(PROMPT, 40))
+    tokens = torch.tensor(PROMPT + plain.token_ids)  # the target's own greedy response, as distilled data is
+    taps = tiny_llama(tokens, tiny_llama.new_cache(64), tap_layers=(1, 2, 3)).taps.clone()  # out of inference mode
+    record = {"prompt_ids": PROMPT, "response_ids": plain.token_ids}
+    cfg = training.TrainConfig(method=method, data="d", eval_data="e", out="o", block_size=4, num_layers=1, anchors=16,
+                               depth=3, draft_vocab_size=0, lr=3e-3)
+    drafter = training.new_drafter(cfg, tiny_llama, 95, [record]).train()
+    head = DraftHead(tiny_llama.lm_head.weight, None)
+    optimizer, generator = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr), torch.Generator().manual_seed(0)
+    for _ in range(40):  # learn this response in part, so that runs of every length are accepted
+        loss, _ = training.sequence_loss(cfg, drafter, tiny_llama, head, record, taps, generator)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    drafter.eval().requires_grad_(False)
+
+    proposer = (DFlashProposer if method == "dflash" else Eagle3Proposer)(tiny_llama, drafter, 3)
+    served = Engine(tiny_llama, ByteTokenizer(), proposer, set()).generate(Request(PROMPT, 40))
+    assert served.token_ids == plain.token_ids
+    evaluated = training.evaluate(cfg, drafter, tiny_llama, head, [record], [taps])
+    assert 1.5 < served.acceptance_length < 4 and served.accepted_per_position[2] > 0
+    assert evaluated["engine_tau"] == pytest.approx(served.acceptance_length)
+    assert evaluated["engine_per_position"] == pytest.approx([n / served.target_forwards for n in served.accepted_per_position])
+    assert evaluated["tau"] > evaluated["engine_tau"]  # uniform positions overstate it: accepted runs are skipped
 
 
 def test_the_sweep_varies_one_factor_at_a_time_around_the_base():

@@ -56,6 +56,25 @@ def accepted_prefix(correct: torch.Tensor) -> torch.Tensor:
     return correct.int().cumprod(dim=-1).sum(dim=-1)
 
 
+def engine_walk(accepted: list[int]) -> list[int]:
+    """The drafts the engine accepts at each verify step through one response at T=0.
+
+    `accepted[i]` is the accepted-prefix length of the drafts made after the response's i-th token
+    (every position, in order). The data is the target's greedy output, so from there the engine
+    keeps exactly those drafts and the target's own next token, and drafts next after position
+    i + 1 + accepted[i]. Tokens per step along this walk is the acceptance length the engine
+    measures; it is below the mean over all positions (uniform anchors), because the walk stops at
+    every position where drafts fail and skips the positions inside accepted runs.
+    """
+    visited, position = [], 0
+    while position < len(accepted):
+        # As the engine at max_new_tokens: drafts stop one short of the end, leaving the target's token.
+        kept = min(accepted[position], len(accepted) - 1 - position)
+        visited.append(kept)
+        position += 1 + kept
+    return visited
+
+
 def dflash_loss(
     drafter: DFlashDrafter,
     target: Transformer,
@@ -90,7 +109,9 @@ def dflash_loss(
     loss = (losses.view_as(labels) * weights).sum() / weights.sum().clamp(min=1e-6)
     with torch.no_grad():
         correct = (logits.argmax(-1) == labels) & valid
-        stats = {"accuracy": float(correct.float().sum() / valid.sum()), "tau": 1 + float(accepted_prefix(correct).float().mean())}
+        accepted = accepted_prefix(correct)  # per anchor; with every position as an anchor, engine_walk's input
+        stats = {"accuracy": float(correct.float().sum() / valid.sum()), "tau": 1 + float(accepted.float().mean()),
+                 "accepted": accepted.tolist()}
     return loss, stats
 
 
@@ -150,6 +171,9 @@ def eagle3_loss(
         stats = {
             "accuracy": float(correct_steps[0].float().sum() / max(int(starts.sum()), 1)),
             "tau": 1 + float(accepted_prefix(correct[starts]).float().mean()) if starts.any() else 1.0,
+            # After response token i (position response_start + i) the proposer drafts from that token
+            # and the feature of the position before it: the chain of row j = response_start + i - 1.
+            "accepted": accepted_prefix(correct[response_start - 1 : length - 2]).tolist(),
         }
     return total / weight_sum, stats
 

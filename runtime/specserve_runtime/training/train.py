@@ -13,23 +13,26 @@ import json
 import math
 import sys
 import time
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from ..drafters.dflash import DFlashConfig, DFlashDrafter, load_dflash, save_dflash
+from ..drafters.eagle3 import DEFAULT_TOKENS as EAGLE3_DEFAULT_TOKENS
 from ..drafters.eagle3 import Eagle3Config, Eagle3Drafter, feature_layer_ids, load_eagle3, save_eagle3
 from ..drafters.vocab import DraftHead, draft_token_ids, frequency_ranked, set_draft_vocab
 from ..model import Transformer
 from .distill import read_shards
-from .recipes import dflash_loss, eagle3_loss
+from .recipes import dflash_loss, eagle3_loss, engine_walk
 
 
 # DFlash's loss weighs block slot k by exp(-(k-1)/gamma). The gammas SpecForge's DFlash recipe
 # recommends per block size; other sizes take B/2, which the published 8 and 10 follow.
 DECAY_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}
+# Held-out evaluation anchors a DFlash block after every response token: the engine's walk needs them all.
+EVERY_POSITION = 1 << 30
 
 
 @dataclass
@@ -208,21 +211,41 @@ def sequence_loss(cfg: TrainConfig, drafter, target, head: DraftHead, record: di
 
 
 @torch.no_grad()
-def evaluate(cfg: TrainConfig, drafter, target, head: DraftHead, sequences, taps) -> dict:
-    """Teacher-forced acceptance on held-out sequences (fixed anchors: comparable across steps), in
-    all and per category of prompt (chat, code, math: the drafter issue's domains)."""
+def evaluate(cfg: TrainConfig, drafter, target, head: DraftHead, sequences, taps, drafts: int | None = None) -> dict:
+    """Held-out acceptance, teacher-forced after every response token (deterministic: comparable across steps).
+
+    tau: the mean over those positions of 1 + the drafts accepted there. engine_tau: tokens per verify
+    step of the walk the engine takes through each response at T=0 (recipes.engine_walk), what
+    `specserve bench` measures on the same prompts; engine_per_position: how often that walk's steps
+    accept draft 1, 2, .... Both in all and per category of prompt (chat, code, math). `drafts` caps
+    the drafts per step (the engine's METHOD:K); by default a DFlash block's B-1, or EAGLE-3's depth.
+    """
     drafter.eval()
+    every_position = replace(cfg, anchors=EVERY_POSITION)
     generator = torch.Generator().manual_seed(1234)
-    results = [sequence_loss(cfg, drafter, target, head, r, t, generator) for r, t in zip(sequences, taps)]
+    results = [sequence_loss(every_position, drafter, target, head, r, t, generator) for r, t in zip(sequences, taps)]
     drafter.train()
-    by_category = {}
-    for record, (_, stats) in zip(sequences, results):
-        by_category.setdefault(record.get("category", "all"), []).append(stats["tau"])
+    drafts = drafts or (cfg.block_size - 1 if cfg.method == "dflash" else cfg.depth)
+    groups = {}
+    for record, (loss, stats) in zip(sequences, results):
+        accepted = [min(a, drafts) for a in stats["accepted"]]
+        for group in ("all", record.get("category")):
+            if group is not None:
+                groups.setdefault(group, []).append((float(loss), stats["accuracy"], accepted))
+    summary = {name: _acceptance(rows, drafts) for name, rows in groups.items()}
+    everything = summary.pop("all")
+    return {**everything, "by_category": dict(sorted(summary.items()))}
+
+
+def _acceptance(rows: list[tuple[float, float, list[int]]], drafts: int) -> dict:
+    positions = [a for _, _, accepted in rows for a in accepted]
+    steps = [a for _, _, accepted in rows for a in engine_walk(accepted)]
     return {
-        "loss": sum(float(loss) for loss, _ in results) / len(results),
-        "tau": sum(s["tau"] for _, s in results) / len(results),
-        "accuracy": sum(s["accuracy"] for _, s in results) / len(results),
-        "tau_by_category": {c: round(sum(taus) / len(taus), 4) for c, taus in sorted(by_category.items())},
+        "loss": sum(loss for loss, _, _ in rows) / len(rows),
+        "accuracy": sum(accuracy for _, accuracy, _ in rows) / len(rows),
+        "tau": 1 + sum(positions) / len(positions),
+        "engine_tau": 1 + sum(steps) / len(steps),
+        "engine_per_position": [sum(a >= k for a in steps) / len(steps) for k in range(1, drafts + 1)],
     }
 
 
@@ -235,6 +258,36 @@ def first_sequences(shards: list[tuple[Path, list[dict]]], count: int) -> tuple[
         needed.append(shard)
         total += len(shard[1])
     return needed, [record for _, records in needed for record in records][:count]
+
+
+def evaluate_drafter(method: str, folder: str, target: Transformer, eval_data: str, sequences: int,
+                     drafts: int | None = None, log=print) -> dict:
+    """`specserve eval-drafter`: a trained drafter's held-out acceptance (`evaluate`) on the first
+    `sequences` of a distilled folder: what the engine would measure at T=0 on their prompts, from
+    one teacher-forced pass per sequence instead of decoding them."""
+    from ..drafters import DrafterError, check_matches_target
+
+    drafter = (load_dflash if method == "dflash" else load_eagle3)(folder)
+    check_matches_target(method, drafter.config, target.config)
+    if method == "dflash":
+        cfg = TrainConfig(method=method, data="", eval_data=eval_data, out="", block_size=drafter.config.block_size)
+        if drafts is not None and not 1 <= drafts < cfg.block_size:
+            raise DrafterError(f"--drafts {drafts}: a DFlash block of {cfg.block_size} drafts 1 to {cfg.block_size - 1}")
+    else:  # EAGLE-3 chains as many drafts as asked: unroll that many steps
+        cfg = TrainConfig(method=method, data="", eval_data=eval_data, out="", depth=drafts or EAGLE3_DEFAULT_TOKENS)
+    shards, records = first_sequences(read_shards(eval_data, target.config.vocab_size), sequences)
+    taps = TargetFeatures(target, shards, tap_layers(cfg, target), log)
+    head = DraftHead(target.lm_head.weight, draft_token_ids(drafter))
+    return {"sequences": len(records), "drafts": drafts or (cfg.block_size - 1 if method == "dflash" else cfg.depth),
+            **_rounded(evaluate(cfg, drafter, target, head, records, taps, drafts))}
+
+
+def _rounded(value):
+    if isinstance(value, dict):
+        return {key: _rounded(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_rounded(item) for item in value]
+    return round(value, 4)
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:
@@ -297,12 +350,10 @@ def train(cfg: TrainConfig, target: Transformer, mask_token_id: int, log=print) 
         done = step + 1
         if done % cfg.eval_every == 0 or done == cfg.steps:
             held_out = evaluate(cfg, drafter, target, head, eval_data, eval_taps)
-            by_category = held_out.pop("tau_by_category")
-            history.append({"step": done, "seconds": round(seconds, 1), **{k: round(v, 4) for k, v in held_out.items()},
-                            "tau_by_category": by_category})
-            categories = ", ".join(f"{c} {tau:.2f}" for c, tau in by_category.items())
-            message = (f"step {done}: held-out tau {held_out['tau']:.2f} ({categories}), accuracy {held_out['accuracy']:.3f}, "
-                       f"loss {held_out['loss']:.3f}")
+            history.append({"step": done, "seconds": round(seconds, 1), **_rounded(held_out)})
+            categories = ", ".join(f"{c} {a['engine_tau']:.2f}" for c, a in held_out["by_category"].items())
+            message = (f"step {done}: held-out tau {held_out['tau']:.2f}, in the engine {held_out['engine_tau']:.2f} "
+                       f"({categories}), accuracy {held_out['accuracy']:.3f}, loss {held_out['loss']:.3f}")
             progress.write(message, file=sys.stderr)  # beside the bar: stdout carries only the result
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:
             torch.save(
