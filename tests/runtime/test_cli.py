@@ -79,3 +79,13 @@ def test_drafter_for_another_target(capsys, tmp_path, tiny_llama):
     save_dflash(tiny_drafter(tiny_llama), tmp_path)
     message = error_of(capsys, "generate", "--method", "dflash", "--drafter", str(tmp_path), "--prompt", "hi")
     assert "dflash drafter does not match the target model: hidden_size 64 != target's 576" in message
+
+
+def test_eval_drafter_names_a_missing_held_out_folder(capsys, tmp_path):
+    message = error_of(capsys, "eval-drafter", "--method", "dflash", "--eval-data", str(tmp_path / "absent"))
+    assert f"--eval-data {tmp_path / 'absent'}: no such folder (run `specserve distill` first)" in message
+
+
+def test_eval_drafter_refuses_more_drafts_than_the_block_holds(capsys, tmp_path):
+    message = error_of(capsys, "eval-drafter", "--method", "dflash", "--eval-data", str(tmp_path), "--drafts", "8")
+    assert "--drafts 8: a DFlash block of 8 drafts 1 to 7" in message
