@@ -89,3 +89,5 @@ def test_eval_drafter_names_a_missing_held_out_folder(capsys, tmp_path):
 def test_eval_drafter_refuses_more_drafts_than_the_block_holds(capsys, tmp_path):
     message = error_of(capsys, "eval-drafter", "--method", "dflash", "--eval-data", str(tmp_path), "--drafts", "8")
     assert "--drafts 8: a DFlash block of 8 drafts 1 to 7" in message
+    message = error_of(capsys, "eval-drafter", "--method", "eagle3", "--eval-data", str(tmp_path), "--drafts", "0")
+    assert "--drafts must be >= 1, got 0" in message

@@ -225,7 +225,7 @@ def evaluate(cfg: TrainConfig, drafter, target, head: DraftHead, sequences, taps
     generator = torch.Generator().manual_seed(1234)
     results = [sequence_loss(every_position, drafter, target, head, r, t, generator) for r, t in zip(sequences, taps)]
     drafter.train()
-    drafts = drafts or (cfg.block_size - 1 if cfg.method == "dflash" else cfg.depth)
+    drafts = drafts or most_drafts(cfg)
     groups = {}
     for record, (loss, stats) in zip(sequences, results):
         accepted = [min(a, drafts) for a in stats["accepted"]]
@@ -235,6 +235,11 @@ def evaluate(cfg: TrainConfig, drafter, target, head: DraftHead, sequences, taps
     summary = {name: _acceptance(rows, drafts) for name, rows in groups.items()}
     everything = summary.pop("all")
     return {**everything, "by_category": dict(sorted(summary.items()))}
+
+
+def most_drafts(cfg: TrainConfig) -> int:
+    """The drafts per step a drafter of these settings makes at most: a DFlash block's B-1, or EAGLE-3's depth."""
+    return cfg.block_size - 1 if cfg.method == "dflash" else cfg.depth
 
 
 def _acceptance(rows: list[tuple[float, float, list[int]]], drafts: int) -> dict:
@@ -267,18 +272,20 @@ def evaluate_drafter(method: str, folder: str, target: Transformer, eval_data: s
     one teacher-forced pass per sequence instead of decoding them."""
     from ..drafters import DrafterError, check_matches_target
 
+    if drafts is not None and drafts < 1:
+        raise DrafterError(f"--drafts must be >= 1, got {drafts}")
     drafter = (load_dflash if method == "dflash" else load_eagle3)(folder)
     check_matches_target(method, drafter.config, target.config)
     if method == "dflash":
         cfg = TrainConfig(method=method, data="", eval_data=eval_data, out="", block_size=drafter.config.block_size)
-        if drafts is not None and not 1 <= drafts < cfg.block_size:
-            raise DrafterError(f"--drafts {drafts}: a DFlash block of {cfg.block_size} drafts 1 to {cfg.block_size - 1}")
+        if drafts is not None and drafts > most_drafts(cfg):
+            raise DrafterError(f"--drafts {drafts}: a DFlash block of {cfg.block_size} drafts 1 to {most_drafts(cfg)}")
     else:  # EAGLE-3 chains as many drafts as asked: unroll that many steps
         cfg = TrainConfig(method=method, data="", eval_data=eval_data, out="", depth=drafts or EAGLE3_DEFAULT_TOKENS)
     shards, records = first_sequences(read_shards(eval_data, target.config.vocab_size), sequences)
     taps = TargetFeatures(target, shards, tap_layers(cfg, target), log)
     head = DraftHead(target.lm_head.weight, draft_token_ids(drafter))
-    return {"sequences": len(records), "drafts": drafts or (cfg.block_size - 1 if method == "dflash" else cfg.depth),
+    return {"sequences": len(records), "drafts": drafts or most_drafts(cfg),
             **_rounded(evaluate(cfg, drafter, target, head, records, taps, drafts))}
 
 
