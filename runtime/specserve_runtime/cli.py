@@ -155,11 +155,21 @@ def _training_data(args) -> tuple[str, str]:
     from .store import cache_root
 
     data = args.data or str(cache_root() / "data" / "distill-v1")
-    eval_data = args.eval_data or str(cache_root() / "data" / "distill-v1-eval")
-    for flag, folder in [("--data", folder) for folder in data.split(",")] + [("--eval-data", eval_data)]:
-        if not Path(folder).is_dir():
-            raise UsageError(f"{flag} {folder}: no such folder (run `specserve distill` first)")
-    return data, eval_data
+    for folder in data.split(","):
+        _distilled_folder("--data", folder)
+    return data, _eval_data(args)
+
+
+def _eval_data(args) -> str:
+    from .store import cache_root
+
+    return _distilled_folder("--eval-data", args.eval_data or str(cache_root() / "data" / "distill-v1-eval"))
+
+
+def _distilled_folder(flag: str, folder: str) -> str:
+    if not Path(folder).is_dir():
+        raise UsageError(f"{flag} {folder}: no such folder (run `specserve distill` first)")
+    return folder
 
 
 def cmd_train_drafter(args) -> None:
@@ -179,13 +189,10 @@ def cmd_train_drafter(args) -> None:
 def cmd_eval_drafter(args) -> None:
     from .drafters import DEFAULT_DRAFTERS
     from .loader import load_model
-    from .store import cache_root
     from .training.train import evaluate_drafter
 
     folder = args.drafter or str(DEFAULT_DRAFTERS[args.method])
-    eval_data = args.eval_data or str(cache_root() / "data" / "distill-v1-eval")
-    if not Path(eval_data).is_dir():
-        raise UsageError(f"--eval-data {eval_data}: no such folder (run `specserve distill` first)")
+    eval_data = _eval_data(args)
     if args.eval_sequences < 1:
         raise UsageError(f"--eval-sequences must be >= 1, got {args.eval_sequences}")
     model = load_model(args.model)

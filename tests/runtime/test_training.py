@@ -412,4 +412,3 @@ def test_the_loss_decay_follows_the_block_size_unless_given():
     config = lambda **flags: TrainConfig(method="dflash", data="d", eval_data="e", out="o", **flags)  # noqa: E731
     assert [config(block_size=b).decay_gamma for b in (4, 8, 10, 16)] == [2.0, 4.0, 5.0, 7.0]
     assert config(block_size=16, gamma=3.0).decay_gamma == 3.0
-

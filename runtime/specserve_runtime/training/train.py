@@ -282,10 +282,11 @@ def evaluate_drafter(method: str, folder: str, target: Transformer, eval_data: s
             raise DrafterError(f"--drafts {drafts}: a DFlash block of {cfg.block_size} drafts 1 to {most_drafts(cfg)}")
     else:  # EAGLE-3 chains as many drafts as asked: unroll that many steps
         cfg = TrainConfig(method=method, data="", eval_data=eval_data, out="", depth=drafts or EAGLE3_DEFAULT_TOKENS)
+    drafts = drafts or most_drafts(cfg)
     shards, records = first_sequences(read_shards(eval_data, target.config.vocab_size), sequences)
     taps = TargetFeatures(target, shards, tap_layers(cfg, target), log)
     head = DraftHead(target.lm_head.weight, draft_token_ids(drafter))
-    return {"sequences": len(records), "drafts": drafts or most_drafts(cfg),
+    return {"sequences": len(records), "drafts": drafts,
             **_rounded(evaluate(cfg, drafter, target, head, records, taps, drafts))}
 
 
