@@ -242,7 +242,7 @@ def test_held_out_engine_tau_is_what_the_engine_measures(tiny_llama, method):
     assert 1.5 < served.acceptance_length < 4 and served.accepted_per_position[2] > 0
     assert evaluated["engine_tau"] == pytest.approx(served.acceptance_length)
     assert evaluated["engine_per_position"] == pytest.approx([n / served.target_forwards for n in served.accepted_per_position])
-    assert evaluated["tau"] > evaluated["engine_tau"]  # uniform positions overstate it: accepted runs are skipped
+    assert evaluated["tau"] > evaluated["engine_tau"]  # here, as with the real drafters, uniform positions overstate it
 
 
 def test_the_sweep_varies_one_factor_at_a_time_around_the_base():
@@ -412,3 +412,28 @@ def test_the_loss_decay_follows_the_block_size_unless_given():
     config = lambda **flags: TrainConfig(method="dflash", data="d", eval_data="e", out="o", **flags)  # noqa: E731
     assert [config(block_size=b).decay_gamma for b in (4, 8, 10, 16)] == [2.0, 4.0, 5.0, 7.0]
     assert config(block_size=16, gamma=3.0).decay_gamma == 3.0
+
+
+@pytest.mark.parametrize("method", ["dflash", "eagle3"])
+def test_eval_drafter_evaluates_a_saved_drafter_on_the_features_it_reads(tiny_llama, tmp_path, method):
+    from specserve_runtime.training.train import evaluate_drafter
+
+    from .test_dflash import tiny_drafter
+
+    if method == "dflash":  # one tap, layer 2: not the (1, 2, 3) training taps
+        drafter = tiny_drafter(tiny_llama, block_size=4)
+        save_dflash(drafter, tmp_path / "drafter")
+    else:
+        torch.manual_seed(2)
+        drafter = Eagle3Drafter(Eagle3Config.for_target(tiny_llama.config, None))
+        save_eagle3(drafter, tmp_path / "drafter")
+    generator = torch.Generator().manual_seed(5)
+    eval_data = write_distilled(tmp_path / "eval", [torch.randint(0, 95, (30,), generator=generator).tolist() for _ in range(3)])
+    taps = "-".join(map(str, drafter.config.target_layer_ids))
+    whole = evaluate_drafter(method, str(tmp_path / "drafter"), tiny_llama, eval_data, 2, log=lambda message: None)
+    most = 3 if method == "dflash" else 4  # a block of 4, or EAGLE-3's default chain
+    assert whole["sequences"] == 2 and whole["drafts"] == most and len(whole["engine_per_position"]) == most
+    assert 1 <= whole["engine_tau"] <= 1 + most and 1 <= whole["tau"] <= 1 + most
+    assert (tmp_path / "eval" / f"taps-{taps}" / "shard-00000.safetensors").exists()
+    two = evaluate_drafter(method, str(tmp_path / "drafter"), tiny_llama, eval_data, 2, drafts=2, log=lambda message: None)
+    assert two["drafts"] == 2 and len(two["engine_per_position"]) == 2

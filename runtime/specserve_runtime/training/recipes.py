@@ -63,8 +63,9 @@ def engine_walk(accepted: list[int]) -> list[int]:
     (every position, in order). The data is the target's greedy output, so from there the engine
     keeps exactly those drafts and the target's own next token, and drafts next after position
     i + 1 + accepted[i]. Tokens per step along this walk is the acceptance length the engine
-    measures; it is below the mean over all positions (uniform anchors), because the walk stops at
-    every position where drafts fail and skips the positions inside accepted runs.
+    measures. It differs from the mean over all positions (uniform anchors): the walk stops at
+    every position where drafts fail and skips the positions inside accepted runs, which on real
+    drafters puts it below that mean (docs/benchmarks.md), though not for every sequence.
     """
     visited, position = [], 0
     while position < len(accepted):

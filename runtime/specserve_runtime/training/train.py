@@ -284,7 +284,8 @@ def evaluate_drafter(method: str, folder: str, target: Transformer, eval_data: s
         cfg = TrainConfig(method=method, data="", eval_data=eval_data, out="", depth=drafts or EAGLE3_DEFAULT_TOKENS)
     drafts = drafts or most_drafts(cfg)
     shards, records = first_sequences(read_shards(eval_data, target.config.vocab_size), sequences)
-    taps = TargetFeatures(target, shards, tap_layers(cfg, target), log)
+    # The layers this drafter reads (a drafter trained elsewhere may tap others than training's).
+    taps = TargetFeatures(target, shards, tuple(drafter.config.target_layer_ids), log)
     head = DraftHead(target.lm_head.weight, draft_token_ids(drafter))
     return {"sequences": len(records), "drafts": drafts,
             **_rounded(evaluate(cfg, drafter, target, head, records, taps, drafts))}
