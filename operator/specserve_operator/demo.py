@@ -23,7 +23,10 @@ DEFAULTS = {
     "candidate": "method=dflash",
     "prompts_file": "docs/examples/canary-prompts.jsonl",
     "steps": "50,100",
-    "interval_seconds": 20,
+    # Six prompts of unequal acceptance, cycled: a window holds a few cycles and a partial one, and
+    # the partial one's mix moves a window's tokens/$ by ~10% at 20 s (about ten requests on two
+    # slow cores), as much as DFlash's measured lead. 40 s halves that share.
+    "interval_seconds": 40,
     "max_new_tokens": 48,
     # The candidate must be at least as cost-efficient as the stable and not much slower; the SLO
     # is what two runtimes sharing two CPU cores deliver (p99 inter-token latency ~300 ms measured).
