@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from specserve_runtime.drafters import ProposerOptions, build_proposer
+from specserve_runtime.drafters import build_proposer
 from specserve_runtime.drafters.dflash import DFlashConfig, DFlashProposer, load_dflash, random_drafter, save_dflash
 from specserve_runtime.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Proposer, load_eagle3, save_eagle3
 from specserve_runtime.drafters.vocab import DraftHead, draft_token_ids, set_draft_vocab
