@@ -324,7 +324,8 @@ def train(cfg: TrainConfig, target: Transformer, mask_token_id: int, log=print) 
     taps = TargetFeatures(target, shards, layers, log)
     eval_taps = TargetFeatures(target, eval_shards, layers, log)
 
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    # fused: one kernel over all parameters; 6 ms a step instead of 23 (about 8% of a DFlash bf16 step).
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
     generator = torch.Generator().manual_seed(cfg.seed)
     start_step, history, seconds = 0, [], 0.0
     state_file = out / "train-state.pt"
