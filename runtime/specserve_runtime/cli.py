@@ -9,6 +9,12 @@ from pathlib import Path
 from .config import DEFAULT_MAX_NUM_SEQS, DEFAULT_TOKEN_BUDGET
 
 METHODS = ("ar", "ngram", "eagle3", "dflash")
+# The distilled data the bundled drafters were trained and judged on, committed in runtime/data/
+# (docs/training.md): there in a source checkout, not in the installed package or the images.
+COMMITTED_DATA = Path(__file__).resolve().parents[1] / "data"
+DEFAULT_TRAIN_DATA, DEFAULT_EVAL_DATA = COMMITTED_DATA / "distill-v2", COMMITTED_DATA / "distill-v2-eval"
+EVAL_DATA_HELP = ("distilled held-out data (default: set v2's held-out split, runtime/data/distill-v2-eval "
+                  "in a source checkout)")
 
 
 class UsageError(Exception):
@@ -152,18 +158,21 @@ def _given(args, names: tuple[str, ...]) -> dict:
 
 
 def _training_data(args) -> tuple[str, str]:
-    from .store import cache_root
-
-    data = args.data or str(cache_root() / "data" / "distill-v1")
+    data = args.data or _committed("--data", DEFAULT_TRAIN_DATA)
     for folder in data.split(","):
         _distilled_folder("--data", folder)
     return data, _eval_data(args)
 
 
 def _eval_data(args) -> str:
-    from .store import cache_root
+    return _distilled_folder("--eval-data", args.eval_data or _committed("--eval-data", DEFAULT_EVAL_DATA))
 
-    return _distilled_folder("--eval-data", args.eval_data or str(cache_root() / "data" / "distill-v1-eval"))
+
+def _committed(flag: str, folder: Path) -> str:
+    if not folder.is_dir():
+        raise UsageError(f"{flag} not given, and its default {folder} (set v2, committed in specserve's source "
+                         f"tree) is not here: pass {flag} with a folder written by `specserve distill`")
+    return str(folder)
 
 
 def _distilled_folder(flag: str, folder: str) -> str:
@@ -548,8 +557,8 @@ def build_parser() -> Parser:
         parser.add_argument("--out", required=True, help=out_help)
         parser.add_argument("--model", default=DEFAULT_MODEL)
         parser.add_argument("--data", help="distilled training data, one folder or several joined by commas "
-                            "(default: the cache's distill-v1)")
-        parser.add_argument("--eval-data", help="distilled held-out data (default: the cache's distill-v1-eval)")
+                            "(default: set v2's train split, runtime/data/distill-v2 in a source checkout)")
+        parser.add_argument("--eval-data", help=EVAL_DATA_HELP)
         for flag, kind in (("--lr", float), ("--seed", int), ("--anchors", int), ("--gamma", float),
                            ("--draft-vocab-size", int)) + flags:
             parser.add_argument(flag, type=kind)
@@ -579,7 +588,7 @@ def build_parser() -> Parser:
     evaluator.add_argument("--method", required=True, choices=["dflash", "eagle3"])
     evaluator.add_argument("--drafter", help="trained drafter folder (default: the bundled one)")
     evaluator.add_argument("--model", default=DEFAULT_MODEL)
-    evaluator.add_argument("--eval-data", help="distilled held-out data (default: the cache's distill-v1-eval)")
+    evaluator.add_argument("--eval-data", help=EVAL_DATA_HELP)
     evaluator.add_argument("--eval-sequences", type=int, default=256, help="the first N sequences (default 256)")
     evaluator.add_argument("--drafts", type=int, help="drafts per step, as the engine's METHOD:K (default: DFlash's "
                            "block size - 1, EAGLE-3's 4)")

@@ -2,6 +2,7 @@
 
 import pytest
 
+from specserve_runtime import cli
 from specserve_runtime.cli import main
 from specserve_runtime.drafters.dflash import save_dflash
 
@@ -84,6 +85,23 @@ def test_drafter_for_another_target(capsys, tmp_path, tiny_llama):
 def test_eval_drafter_names_a_missing_held_out_folder(capsys, tmp_path):
     message = error_of(capsys, "eval-drafter", "--method", "dflash", "--eval-data", str(tmp_path / "absent"))
     assert f"--eval-data {tmp_path / 'absent'}: no such folder (run `specserve distill` first)" in message
+
+
+def test_training_data_defaults_to_the_committed_set_v2(capsys):
+    # In a checkout the defaults are there: the command gets past them to its next check.
+    assert (cli.DEFAULT_TRAIN_DATA / "distill.json").is_file() and (cli.DEFAULT_EVAL_DATA / "distill.json").is_file()
+    message = error_of(capsys, "eval-drafter", "--method", "dflash", "--drafts", "8")
+    assert "--drafts 8: a DFlash block of 8" in message
+
+
+def test_missing_default_training_data_says_what_to_pass(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(cli, "DEFAULT_EVAL_DATA", tmp_path / "distill-v2-eval")  # an installed package: no data
+    message = error_of(capsys, "eval-drafter", "--method", "dflash")
+    assert f"--eval-data not given, and its default {tmp_path / 'distill-v2-eval'}" in message
+    assert "pass --eval-data with a folder written by `specserve distill`" in message
+    monkeypatch.setattr(cli, "DEFAULT_TRAIN_DATA", tmp_path / "distill-v2")
+    message = error_of(capsys, "train-drafter", "--method", "dflash", "--out", str(tmp_path / "run"))
+    assert f"--data not given, and its default {tmp_path / 'distill-v2'}" in message
 
 
 def test_eval_drafter_refuses_more_drafts_than_the_block_holds(capsys, tmp_path):
