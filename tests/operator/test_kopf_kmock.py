@@ -5,7 +5,6 @@ import copy
 import time
 import uuid
 
-
 from .conftest import SERVINGS_RESOURCE, cluster_client, eventually, running_operator
 
 
