@@ -203,23 +203,29 @@ def test_target_features_are_computed_once_per_shard_and_again_when_their_file_i
     for number, chunk in enumerate([sequences[:2], sequences[2:]]):
         lines = [json.dumps({"prompt_ids": s[:2], "response_ids": s[2:]}) for s in chunk]
         (folder / f"shard-{number:05d}.jsonl").write_text("\n".join(lines) + "\n")
-    computed = []
-    log = computed.append
+    messages = []
+    log = messages.append
+
+    def computed() -> list[str]:  # one line per shard computed
+        return [m for m in messages if "shards to compute" in m]
+
     features = TargetFeatures(tiny_llama, distilling.read_shards(folder), (1, 3, 5), log)
-    assert len(features) == 3 and len(computed) == 2
+    assert len(features) == 3 and len(computed()) == 2
+    assert messages[0] == "computing target features of layers [1, 3, 5]: 2 of 2 shards (18 tokens; the others are cached)"
+    assert computed()[1].startswith("target features for shard-00001.jsonl: 1 sequences, 7 tokens (2 of 2 shards to compute")
     assert [features[i].shape for i in range(3)] == [(6, 3 * 64), (5, 3 * 64), (7, 3 * 64)]
     expected = tiny_llama(torch.tensor(sequences[2]), tiny_llama.new_cache(7), tap_layers=(1, 3, 5), last_logits_only=True).taps
     torch.testing.assert_close(features[2].float(), expected, rtol=1e-2, atol=1e-2)
 
-    computed.clear()
+    messages.clear()
     TargetFeatures(tiny_llama, distilling.read_shards(folder), (1, 3, 5), log)
-    assert computed == []  # cached
+    assert messages == []  # cached
 
     cache = folder / "taps-1-3-5" / "shard-00001.safetensors"
     cache.write_bytes(cache.read_bytes()[:-7])  # truncated
     (folder / "shard-00000.jsonl").write_text(json.dumps({"prompt_ids": [1], "response_ids": [2, 3]}) + "\n")  # changed
     features = TargetFeatures(tiny_llama, distilling.read_shards(folder), (1, 3, 5), log)
-    assert len(computed) == 2 and len(features) == 2 and features[0].shape == (3, 3 * 64)
+    assert len(computed()) == 2 and len(features) == 2 and features[0].shape == (3, 3 * 64)
 
 
 def test_a_downloaded_wheel_is_found_by_its_package_name(tmp_path):

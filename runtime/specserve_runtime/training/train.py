@@ -96,27 +96,45 @@ class TargetFeatures:
     """
 
     def __init__(self, target: Transformer, shards: list[tuple[Path, list[dict]]], layers: tuple[int, ...], log):
+        caches = [path.parent / f"taps-{'-'.join(map(str, layers))}" / path.with_suffix(".safetensors").name
+                  for path, _ in shards]
+        digests = [hashlib.sha256(path.read_bytes()).hexdigest() for path, _ in shards]
+        self.handles = [self._open(cache, digest, len(records))
+                        for cache, digest, (_, records) in zip(caches, digests, shards, strict=True)]
+        missing = [index for index, handle in enumerate(self.handles) if handle is None]
+        # Hours for a large set on a CPU: say how far along it is, and (by tokens, since shards
+        # differ in length) about how long is left.
+        tokens = {index: sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in shards[index][1])
+                  for index in missing}
+        if missing:
+            log(f"computing target features of layers {list(layers)}: {len(missing)} of {len(shards)} shards "
+                f"({sum(tokens.values()):,} tokens; the others are cached)")
+        seconds, done_tokens = 0.0, 0
+        for count, index in enumerate(missing, 1):
+            path, records = shards[index]
+            started = time.perf_counter()
+            self.handles[index] = self._compute(target, records, layers, caches[index], digests[index])
+            seconds += time.perf_counter() - started
+            done_tokens += tokens[index]
+            left = seconds / max(done_tokens, 1) * sum(tokens[i] for i in missing[count:])
+            log(f"target features for {path.name}: {len(records)} sequences, {tokens[index]:,} tokens "
+                f"({count} of {len(missing)} shards to compute, about {left / 60:.0f} min left)")
+        self.keys = [(shard, str(n)) for shard, (_, records) in enumerate(shards) for n in range(len(records))]
+
+    @staticmethod
+    def _compute(target: Transformer, records: list[dict], layers: tuple[int, ...], cache: Path, digest: str):
         from safetensors import safe_open
 
-        self.handles, self.keys = [], []
-        for path, records in shards:
-            cache = path.parent / f"taps-{'-'.join(map(str, layers))}" / path.with_suffix(".safetensors").name
-            digest = hashlib.sha256(path.read_bytes()).hexdigest()
-            handle = self._open(cache, digest, len(records))
-            if handle is None:
-                log(f"computing target features of layers {list(layers)} for {path.name} ({len(records)} sequences)")
-                taps = {}
-                for number, record in enumerate(records):
-                    tokens = torch.tensor(record["prompt_ids"] + record["response_ids"])
-                    out = target(tokens, target.new_cache(tokens.shape[0]), tap_layers=layers, last_logits_only=True)
-                    taps[str(number)] = out.taps.half().contiguous()
-                cache.parent.mkdir(exist_ok=True)
-                partial = cache.with_name(cache.name + ".partial")
-                save_file(taps, partial, metadata={"shard_sha256": digest})
-                partial.rename(cache)
-                handle = safe_open(cache, "pt")
-            self.handles.append(handle)
-            self.keys += [(len(self.handles) - 1, str(n)) for n in range(len(records))]
+        taps = {}
+        for number, record in enumerate(records):
+            tokens = torch.tensor(record["prompt_ids"] + record["response_ids"])
+            out = target(tokens, target.new_cache(tokens.shape[0]), tap_layers=layers, last_logits_only=True)
+            taps[str(number)] = out.taps.half().contiguous()
+        cache.parent.mkdir(exist_ok=True)
+        partial = cache.with_name(cache.name + ".partial")  # a file that is there is whole
+        save_file(taps, partial, metadata={"shard_sha256": digest})
+        partial.rename(cache)
+        return safe_open(cache, "pt")
 
     @staticmethod
     def _open(cache: Path, digest: str, count: int):
