@@ -9,29 +9,15 @@ Run: .venv/bin/python docs/experiments/bf16_training_step.py [threads] [dflash|e
 """
 
 import statistics
-import sys
 import time
 
 import torch
+from training_setup import arguments, first_shard
 
-from specserve_runtime.drafters.vocab import DraftHead, draft_token_ids
-from specserve_runtime.loader import load_model
-from specserve_runtime.store import DEFAULT_MODEL
-from specserve_runtime.training.distill import read_shards
-from specserve_runtime.training.train import TargetFeatures, TrainConfig, new_drafter, sequence_loss, tap_layers
+from specserve_runtime.training.train import sequence_loss
 
-threads = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-method = sys.argv[2] if len(sys.argv) > 2 else "dflash"
-torch.set_num_threads(threads)
-model = load_model(DEFAULT_MODEL)
-target = model.target
-cfg = TrainConfig(method=method, data="runtime/data/distill-v2", eval_data="runtime/data/distill-v2-eval", out="-",
-                  init="target" if method == "dflash" else "random")
-shards = read_shards(cfg.data, target.config.vocab_size)[:1]
-data = [record for _, records in shards for record in records]
-drafter = new_drafter(cfg, target, model.mask_token_id(), data).train()
-taps = TargetFeatures(target, shards, tap_layers(cfg, target), print)
-head = DraftHead(target.lm_head.weight, draft_token_ids(drafter))
+threads, method = arguments()
+target, cfg, data, drafter, taps, head = first_shard(method, init="target" if method == "dflash" else "random")
 
 times, losses = {"fp32": [], "bf16": []}, {"fp32": [], "bf16": []}
 for step in range(24):

@@ -13,35 +13,20 @@ Run: .venv/bin/python docs/experiments/optimizer_step.py [threads] [dflash|eagle
 
 import copy
 import statistics
-import sys
 import time
 
 import torch
+from training_setup import arguments, first_shard
 
 from specserve_runtime.drafters import DEFAULT_DRAFTERS
-from specserve_runtime.drafters.vocab import DraftHead, draft_token_ids
-from specserve_runtime.loader import load_model
-from specserve_runtime.store import DEFAULT_MODEL
-from specserve_runtime.training.distill import read_shards
-from specserve_runtime.training.train import TargetFeatures, TrainConfig, new_drafter, sequence_loss, tap_layers
+from specserve_runtime.training.train import sequence_loss
 
-threads = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-method = sys.argv[2] if len(sys.argv) > 2 else "dflash"
-torch.set_num_threads(threads)
-model = load_model(DEFAULT_MODEL)
-target = model.target
-cfg = TrainConfig(method=method, data="runtime/data/distill-v2", eval_data="runtime/data/distill-v2-eval", out="-",
-                  precision="bf16", warm_start=str(DEFAULT_DRAFTERS[method]))
-shards = read_shards(cfg.data, target.config.vocab_size)[:1]
-data = [record for _, records in shards for record in records]
-drafters = {"default": new_drafter(cfg, target, model.mask_token_id(), data).train()}
-drafters["default, again"] = copy.deepcopy(drafters["default"])
-drafters["fused"] = copy.deepcopy(drafters["default"])
+threads, method = arguments()
+target, cfg, data, drafter, taps, head = first_shard(method, precision="bf16", warm_start=str(DEFAULT_DRAFTERS[method]))
+drafters = {"default": drafter, "default, again": copy.deepcopy(drafter), "fused": copy.deepcopy(drafter)}
 optimizers = {name: torch.optim.AdamW(d.parameters(), lr=2.5e-4, betas=(0.9, 0.95), weight_decay=0.0,
                                       fused=name == "fused")
               for name, d in drafters.items()}
-taps = TargetFeatures(target, shards, tap_layers(cfg, target), print)
-head = DraftHead(target.lm_head.weight, draft_token_ids(drafters["fused"]))
 
 phases = ("forward", "backward", "clip", "optimiser")
 times = {name: {phase: [] for phase in phases} for name in drafters}
