@@ -16,7 +16,7 @@ import statistics
 import time
 
 import torch
-from training_setup import arguments, first_shard
+from training_setup import arguments, first_shard  # beside this script: its folder is on sys.path
 
 from specserve_runtime.drafters import DEFAULT_DRAFTERS
 from specserve_runtime.training.train import sequence_loss
