@@ -1,6 +1,7 @@
 """Training pieces on a tiny target: anchors, block mask, loss weights, and train == inference."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -351,6 +352,33 @@ def test_training_with_logit_targets_runs_end_to_end(tiny_llama, tmp_path, metho
     summary = training.train(config, tiny_llama, 95, log=lambda message: None)
     assert [h["step"] for h in summary["history"]] == [2, 4] and all(h["loss"] > 0 for h in summary["history"])
     assert (tmp_path / "data" / "taps-1-2-3-5" / "shard-00000.safetensors").exists()  # the last layer tapped too
+
+
+@pytest.mark.parametrize("method", ["dflash", "eagle3"])
+def test_sequences_with_nothing_to_draft_are_skipped_not_trained_on(tiny_llama, tmp_path, monkeypatch, method):
+    """A continuation can end at once: a response of 1 token has no position with a next token."""
+    from specserve_runtime.training import train as training
+
+    generator = torch.Generator().manual_seed(6)
+    whole = [torch.randint(0, 95, (30,), generator=generator).tolist() for _ in range(2)]
+    data = write_distilled(tmp_path / "data", [whole[0], whole[0][:6], whole[1]])  # the second: 1 response token
+    real_loss, trained_on = training.sequence_loss, []
+
+    def recording(cfg, drafter, target, head, record, *rest):
+        if torch.is_grad_enabled():
+            trained_on.append(len(record["response_ids"]))
+        return real_loss(cfg, drafter, target, head, record, *rest)
+
+    monkeypatch.setattr(training, "sequence_loss", recording)
+    logged = []
+    config = training.TrainConfig(method=method, data=data, eval_data=data, out=str(tmp_path / "run"), steps=6, warmup=1,
+                                  block_size=4, num_layers=1, anchors=4, depth=2, draft_vocab_size=48, eval_every=6,
+                                  eval_sequences=1)
+    training.train(config, tiny_llama, 95, log=logged.append)
+    assert sorted(trained_on) == [25] * 6 and "skipping 1 of 3 sequences: responses under 2 tokens" in logged
+    only_short = write_distilled(tmp_path / "short", [whole[0][:6]])
+    with pytest.raises(ValueError, match="no sequence has a response of 2 tokens"):
+        training.train(replace(config, data=only_short, out=str(tmp_path / "short-run")), tiny_llama, 95, log=logged.append)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -337,6 +337,15 @@ def train(cfg: TrainConfig, target: Transformer, mask_token_id: int, log=print) 
         raise ValueError(f"--shards {cfg.shards}: {cfg.data} has only {len(shards)} shards")
     shards = shards[: cfg.shards or None]
     data = [record for _, records in shards for record in records]
+    # A response of under 2 tokens has no position with a next token to draft (a continuation that
+    # ended at once): no anchor, no training step. Skipped here, so the features stay indexed as the data.
+    trainable = [i for i, record in enumerate(data) if len(record["response_ids"]) >= 2]
+    if len(trainable) < len(data):
+        log(f"skipping {len(data) - len(trainable)} of {len(data)} sequences: responses under 2 tokens")
+    if not trainable:
+        raise ValueError(f"{cfg.data}: no sequence has a response of 2 tokens or more to train on")
+    shuffled = torch.randperm(len(trainable), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    order = [trainable[i] for i in shuffled]
     eval_shards, eval_data = first_sequences(eval_shards, cfg.eval_sequences)
     drafter = new_drafter(cfg, target, mask_token_id, data).train()  # before the slow feature pass: bad settings fail fast
     taps = TargetFeatures(target, shards, layers, log)
@@ -361,7 +370,6 @@ def train(cfg: TrainConfig, target: Transformer, mask_token_id: int, log=print) 
         log(f"resuming {cfg.method} training at step {start_step}")
     head = DraftHead(target.lm_head.weight, draft_token_ids(drafter))
 
-    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     progress = tqdm(range(start_step, cfg.steps), initial=start_step, total=cfg.steps, dynamic_ncols=True)
     for step in progress:
         started = time.perf_counter()
