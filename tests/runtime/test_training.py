@@ -188,6 +188,9 @@ def test_held_out_evaluation_reports_each_category_and_reads_only_the_shards_it_
 
     shards = [("a", [{"category": "math", "accepted": [3, 0, 0, 0]}, {"category": "chat", "accepted": [0, 0]}]),
               ("b", [{"category": "math", "accepted": [1, 0, 2, 0]}, {"accepted": [0]}]), ("c", [{"category": "code"}])]
+    for _, shard in shards:
+        for record in shard:
+            record["response_ids"] = [0] * (len(record.get("accepted", [])) + 1)
     needed, records = training.first_sequences(shards, 4)
     assert [name for name, _ in needed] == ["a", "b"] and len(records) == 4  # shard c's features are never computed
     assert training.first_sequences(shards, 3)[1] == records[:3]
@@ -373,9 +376,10 @@ def test_sequences_with_nothing_to_draft_are_skipped_not_trained_on(tiny_llama, 
     logged = []
     config = training.TrainConfig(method=method, data=data, eval_data=data, out=str(tmp_path / "run"), steps=6, warmup=1,
                                   block_size=4, num_layers=1, anchors=4, depth=2, draft_vocab_size=48, eval_every=6,
-                                  eval_sequences=1)
-    training.train(config, tiny_llama, 95, log=logged.append)
+                                  eval_sequences=3)
+    summary = training.train(config, tiny_llama, 95, log=logged.append)
     assert sorted(trained_on) == [25] * 6 and "skipping 1 of 3 sequences: responses under 2 tokens" in logged
+    assert [h["step"] for h in summary["history"]] == [6]  # evaluated on the other two
     only_short = write_distilled(tmp_path / "short", [whole[0][:6]])
     with pytest.raises(ValueError, match="no sequence has a response of 2 tokens"):
         training.train(replace(config, data=only_short, out=str(tmp_path / "short-run")), tiny_llama, 95, log=logged.append)

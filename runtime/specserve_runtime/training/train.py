@@ -228,6 +228,12 @@ def sequence_loss(cfg: TrainConfig, drafter, target, head: DraftHead, record: di
     return eagle3_loss(drafter, target, head, tokens, taps, start, cfg.depth, teacher)
 
 
+def has_drafts(record: dict) -> bool:
+    """Whether a response has a position with a next token to draft: 2 tokens or more. A continuation
+    can end at once (7 of set v2's 6,322 did), and a 1-token response gives no anchor and no step."""
+    return len(record["response_ids"]) >= 2
+
+
 @torch.no_grad()
 def evaluate(cfg: TrainConfig, drafter, target, head: DraftHead, sequences, taps, drafts: int | None = None) -> dict:
     """Held-out acceptance, teacher-forced after every response token (deterministic: comparable across steps).
@@ -238,6 +244,10 @@ def evaluate(cfg: TrainConfig, drafter, target, head: DraftHead, sequences, taps
     accept draft 1, 2, .... Both in all and per category of prompt (chat, code, math). `drafts` caps
     the drafts per step (the engine's METHOD:K); by default a DFlash block's B-1, or EAGLE-3's depth.
     """
+    kept = [(record, features) for record, features in zip(sequences, taps) if has_drafts(record)]
+    if not kept:
+        raise ValueError("no held-out sequence has a response of 2 tokens or more to draft in")
+    sequences, taps = zip(*kept)
     drafter.eval()
     every_position = replace(cfg, anchors=EVERY_POSITION)
     generator = torch.Generator().manual_seed(1234)
@@ -337,9 +347,8 @@ def train(cfg: TrainConfig, target: Transformer, mask_token_id: int, log=print) 
         raise ValueError(f"--shards {cfg.shards}: {cfg.data} has only {len(shards)} shards")
     shards = shards[: cfg.shards or None]
     data = [record for _, records in shards for record in records]
-    # A response of under 2 tokens has no position with a next token to draft (a continuation that
-    # ended at once): no anchor, no training step. Skipped here, so the features stay indexed as the data.
-    trainable = [i for i, record in enumerate(data) if len(record["response_ids"]) >= 2]
+    # Skipped here, not dropped from `data`, so the features stay indexed as the data.
+    trainable = [i for i, record in enumerate(data) if has_drafts(record)]
     if len(trainable) < len(data):
         log(f"skipping {len(data) - len(trainable)} of {len(data)} sequences: responses under 2 tokens")
     if not trainable:
