@@ -383,6 +383,8 @@ def test_sequences_with_nothing_to_draft_are_skipped_not_trained_on(tiny_llama, 
     only_short = write_distilled(tmp_path / "short", [whole[0][:6]])
     with pytest.raises(ValueError, match="no sequence has a response of 2 tokens"):
         training.train(replace(config, data=only_short, out=str(tmp_path / "short-run")), tiny_llama, 95, log=logged.append)
+    with pytest.raises(ValueError, match="no held-out sequence has a response of 2 tokens"):  # checked before any drafting
+        training.evaluate(config, None, tiny_llama, None, [{"response_ids": [7]}], [None])
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
