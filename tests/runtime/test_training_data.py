@@ -1,4 +1,4 @@
-"""Drafter training data: the v2 prompt set from registry datasets, and distillation that refuses bad resumes."""
+"""Drafter training data: the v2 prompt sets from registry datasets, and distillation that refuses bad resumes."""
 
 import gzip
 import json
@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 from specserve_runtime.training import distill as distilling
-from specserve_runtime.training.sources import build_prompt_set, classify, json_array_items, summary, usable
+from specserve_runtime.training import sources
+from specserve_runtime.training.sources import build_prompt_set, build_turn_set, classify, json_array_items, summary, usable
 
 
 def sharegpt_file(conversations) -> bytes:
@@ -79,11 +80,58 @@ def test_the_prompt_set_is_deterministic_and_its_order_does_not_depend_on_the_so
     assert {r["category"] for r in first[:200]} == {"chat", "code", "math"}
 
 
+def gpt(text):
+    return {"from": "gpt", "value": text}
+
+
+def test_later_turns_come_with_the_whole_exchanges_before_them_that_fit(monkeypatch):
+    monkeypatch.setattr(sources, "CONTEXT_CHARS", 120)
+    conversations = [
+        [human("How do I reverse a list in python?"), gpt("Use reversed() or slicing."),
+         human("And how do I sort it backwards?"), gpt("Use sorted(items, reverse=True) for a copy."),
+         human("Which one of them is faster on a long list?")],
+        [human("Tell me a story about a brave knight."), gpt("Once upon a time " + "a knight rode on. " * 8),
+         human("Now make the knight a dragon instead.")],  # its previous exchange alone is over the limit
+        [{"from": "system", "value": "You are a pirate."}, human("Where is the treasure buried?"), gpt("Arr, not here."),
+         human("Please tell me where it really is.")],  # another speaker: not a user's conversation
+        [human("Write a short poem about the sea at night."), gpt("Waves hush."),
+         human("How do I reverse a list in python?")],  # a question set v2 has as a first turn: left out
+        [human("Give me three names for a cat please."), gpt("Tom, Luna, Pixel."), human("Continue with three more.")],
+        [human("Give me three names for a dog please."), gpt("Rex, Max, Bella."), human("continue with   three more.")],
+        [human("This conversation is cut off in the file"), gpt("and never ends")],
+    ]
+    records = build_turn_set(source_files(conversations))
+    turns = {record["topic"]: record for record in records}
+    assert set(turns) == {"conv0#1", "conv0#2", "conv4#1"}  # the repeated question kept once, from its first conversation
+    user, assistant = (lambda text: {"role": "user", "content": text}), (lambda text: {"role": "assistant", "content": text})
+    assert turns["conv0#1"]["context"] == [user("How do I reverse a list in python?"), assistant("Use reversed() or slicing.")]
+    # Both earlier exchanges are 134 characters: only the latest fits in 120.
+    assert turns["conv0#2"]["context"] == [user("And how do I sort it backwards?"),
+                                           assistant("Use sorted(items, reverse=True) for a copy.")]
+    assert turns["conv0#2"]["prompt"] == "Which one of them is faster on a long list?"
+    assert {record["source"] for record in records} == {"sharegpt-turns"}
+    first_turns = {r["topic"]: r["split"] for r in build_prompt_set(source_files(conversations)) if r["source"] == "sharegpt"}
+    assert all(record["split"] == first_turns[record["topic"].split("#")[0]] for record in records)  # split by conversation
+    assert build_turn_set(source_files(conversations)) == records  # deterministic
+
+
+def test_a_prompt_file_with_conversations_is_refused_where_only_single_turns_are_sent(tmp_path):
+    from specserve_runtime.cli import UsageError, read_prompt_records
+
+    turns = tmp_path / "turns.jsonl"
+    turns.write_text(json.dumps({"prompt": "Hi", "split": "eval"}) + "\n" +
+                     json.dumps({"prompt": "And then?", "context": [{"role": "user", "content": "Hi"}]}) + "\n")
+    with pytest.raises(UsageError, match=r"turns\.jsonl:2: a multi-turn prompt \(a \"context\" field"):
+        read_prompt_records(str(turns))
+
+
 @pytest.mark.slow
-def test_distillation_resumes_and_refuses_a_truncated_shard_or_other_settings(tmp_path, monkeypatch):
+def test_distillation_resumes_and_refuses_a_truncated_shard_or_other_settings(tmp_path, monkeypatch, smollm2):
     monkeypatch.setattr(distilling, "SHARD_SIZE", 2)
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p, "split": "train"}) + "\n" for p in ["Hi!", "Name a color.", "2+2?"]))
+    context = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue."}]
+    prompts.write_text("".join(json.dumps({"prompt": p, "split": "train"}) + "\n" for p in ["Hi!", "Name a color."]) +
+                       json.dumps({"prompt": "And another?", "context": context, "split": "train"}) + "\n")
     out = tmp_path / "data"
     quiet = lambda message: None
     run = lambda **flags: distilling.distill(out, prompts, max_new_tokens=flags.get("max_new_tokens", 3), batch_size=2, log=quiet)
@@ -93,6 +141,9 @@ def test_distillation_resumes_and_refuses_a_truncated_shard_or_other_settings(tm
     written = {p: p.read_bytes() for p in shards}
     records = [r for _, shard in distilling.read_shards(out, vocab_size=49152) for r in shard]
     assert len(records) == 3 and all(1 <= len(r["response_ids"]) <= 3 for r in records)
+    # A later turn is prefilled as served: the chat template over the conversation before it.
+    assert records[2]["prompt_ids"] == smollm2.encode_chat(context + [{"role": "user", "content": "And another?"}])
+    assert records[0]["prompt_ids"] == smollm2.encode("Hi!")
     manifest = json.loads((out / "distill.json").read_text())
     assert manifest["response_tokens"] == sum(len(r["response_ids"]) for r in records)
 

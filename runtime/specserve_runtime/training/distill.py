@@ -64,8 +64,8 @@ def distill(
         shards = [(f"shard-{n:05d}.jsonl", records[i : i + SHARD_SIZE], None)
                   for n, i in enumerate(range(0, len(records), SHARD_SIZE))]
 
-        def prompt_ids(record: dict) -> list[int]:  # as served: the chat template applied
-            return loaded.encode_chat([{"role": "user", "content": record["prompt"]}])
+        def prompt_ids(record: dict) -> list[int]:  # as served: the chat template over the conversation so far
+            return loaded.encode_chat(record.get("context", []) + [{"role": "user", "content": record["prompt"]}])
     else:
         source_settings, shards = _cut_responses(Path(continue_from), len(loaded.tokenizer), loaded.eos_ids, limit)
         settings |= {"continues": source_settings}

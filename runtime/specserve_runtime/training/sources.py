@@ -7,6 +7,9 @@ HumanEval's function stubs (code), MT-bench's questions (held out whole: prompts
 from every training source), and the v1 templates (math word problems above all, which real chat
 data has few of). Licences: training/data/SOURCES.md.
 
+Set v2-turns: ShareGPT's later user turns, each with the conversation before it as its context,
+the requests set v2's first turns do not reach (follow-ups, corrections, new questions mid-chat).
+
 Each record: prompt, category (chat | code | math), source, topic, split. The order is fixed by
 a hash of the prompt, so any prefix of the set is an unbiased sample of the whole mix: training on
 the first N distilled shards gives the points of a data-scaling curve.
@@ -28,6 +31,8 @@ EVAL_SHARE = 16  # one prompt in 16 of each source (by hash) is held out; MT-ben
 MIN_CHARS, MAX_CHARS = 16, 2000  # shorter is noise ("hi"); longer is mostly pasted documents
 MIN_ASCII = 0.97  # SmolLM2 is an English model: prompts in other scripts teach it nothing useful
 MATH_VARIANTS = 150  # v1 template instances per math template (v1 itself: 60)
+CONTEXT_CHARS = 1500  # a later turn's context at most: the target prefills it for every response
+ROLES = {"human": "user", "gpt": "assistant"}
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,29 @@ def sharegpt_prompts(text: str) -> list[dict]:
     return records
 
 
+def sharegpt_later_turns(text: str) -> list[dict]:
+    """Every usable later user turn of the ShareGPT conversations, with its context: the longest run
+    of whole exchanges before it that fits CONTEXT_CHARS. A turn whose previous exchange alone does
+    not fit is skipped rather than given a cut answer, which no user saw."""
+    records = []
+    for item in json_array_items(text):
+        turns = item.get("conversations") or []
+        messages = [{"role": ROLES.get(turn.get("from")), "content": (turn.get("value") or "").strip()} for turn in turns]
+        if any(message["role"] != ("user", "assistant")[i % 2] for i, message in enumerate(messages)):
+            continue  # other speakers ("system", "bing"), or not alternating from a user turn
+        for index in range(2, len(messages), 2):
+            question, start, chars = messages[index]["content"], index, 0
+            while start >= 2 and chars + len(messages[start - 2]["content"]) + len(messages[start - 1]["content"]) <= CONTEXT_CHARS:
+                start -= 2
+                chars += len(messages[start]["content"]) + len(messages[start + 1]["content"])
+            context = messages[start:index]
+            if not usable(question) or not context or not all(m["content"] and usable(m["content"]) for m in context):
+                continue
+            records.append({"prompt": question, "context": context, "category": classify(question),
+                            "source": "sharegpt-turns", "topic": f"{item['id']}#{index // 2}", "conversation": item["id"]})
+    return records
+
+
 def humaneval_prompts(lines: list[str]) -> list[dict]:
     records = []
     for line in filter(str.strip, lines):
@@ -131,11 +159,34 @@ def build_prompt_set(files: dict[str, bytes]) -> list[dict]:
     records += template_prompts()
     unique = {}
     for record in records:  # the first occurrence wins; held-out sources come before templates
-        unique.setdefault(" ".join(record["prompt"].split()).lower(), record)
+        unique.setdefault(_normalised(record["prompt"]), record)
     for record in unique.values():
-        if "split" not in record:
-            record["split"] = "eval" if int(_digest(f"{record['source']}:{record['topic']}"), 16) % EVAL_SHARE == 0 else "train"
+        record.setdefault("split", _split(record["source"], record["topic"]))
     return sorted(unique.values(), key=lambda r: _digest(r["prompt"]))
+
+
+def build_turn_set(files: dict[str, bytes]) -> list[dict]:
+    """Source name -> its data file's bytes  ->  set v2-turns: ShareGPT's later turns, each question
+    once, none that is also a prompt of set v2 (so no held-out prompt is trained on in another
+    context), split with their conversation (a held-out conversation's later turns are held out
+    too), hash-ordered."""
+    taken = {_normalised(record["prompt"]) for record in build_prompt_set(files)}
+    unique = {}
+    for record in sharegpt_later_turns(files["sharegpt"].decode()):
+        if (key := _normalised(record["prompt"])) not in taken:
+            unique.setdefault(key, record)  # a question asked in many conversations ("continue") is kept once
+    for record in unique.values():
+        record["split"] = _split("sharegpt", record.pop("conversation"))
+    records = list(unique.values())
+    return sorted(records, key=lambda r: _digest(json.dumps([r["context"], r["prompt"]])))
+
+
+def _normalised(prompt: str) -> str:
+    return " ".join(prompt.split()).lower()
+
+
+def _split(source: str, topic: str) -> str:
+    return "eval" if int(_digest(f"{source}:{topic}"), 16) % EVAL_SHARE == 0 else "train"
 
 
 def source_files(log=print) -> dict[str, bytes]:
@@ -162,18 +213,21 @@ def summary(records: list[dict]) -> dict:
     return dict(sorted(counts.items()))
 
 
-def write_prompt_set(path: Path, log=print) -> dict:
-    records = build_prompt_set(source_files(log))
+PROMPT_SETS = {VERSION: build_prompt_set, f"{VERSION}-turns": build_turn_set}
+
+
+def write_prompt_set(path: Path, name: str = VERSION, log=print) -> dict:
+    records = PROMPT_SETS[name](source_files(log))
     text = "".join(json.dumps(r) + "\n" for r in records)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
     partial.write_text(text)
     partial.rename(path)
-    manifest = {"version": VERSION, "records": len(records), "sha256": _digest(text), "counts": summary(records),
+    manifest = {"version": name, "records": len(records), "sha256": _digest(text), "counts": summary(records),
                 "sources": [{"name": s.name, "wheel": s.wheel, "member": s.member, "licence": s.licence} for s in SOURCES]}
     path.with_suffix(".manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 
-def default_prompt_set() -> Path:
-    return cache_root() / "data" / f"prompts-{VERSION}.jsonl"
+def default_prompt_set(name: str = VERSION) -> Path:
+    return cache_root() / "data" / f"prompts-{name}.jsonl"
