@@ -111,12 +111,14 @@ def sharegpt_later_turns(text: str) -> list[dict]:
         if any(message["role"] != ("user", "assistant")[i % 2] for i, message in enumerate(messages)):
             continue  # other speakers ("system", "bing"), or not alternating from a user turn
         for index in range(2, len(messages), 2):
-            question, start, chars = messages[index]["content"], index, 0
-            while start >= 2 and chars + len(messages[start - 2]["content"]) + len(messages[start - 1]["content"]) <= CONTEXT_CHARS:
-                start -= 2
-                chars += len(messages[start]["content"]) + len(messages[start + 1]["content"])
+            question = messages[index]["content"]
+            if not usable(question):
+                continue
+            start, chars = index, 0  # whole exchanges (a user turn and its answer), newest first
+            while start >= 2 and chars + (exchange := len(messages[start - 2]["content"]) + len(messages[start - 1]["content"])) <= CONTEXT_CHARS:
+                start, chars = start - 2, chars + exchange
             context = messages[start:index]
-            if not usable(question) or not context or not all(m["content"] and usable(m["content"]) for m in context):
+            if not context or not all(usable(m["content"]) for m in context):
                 continue
             records.append({"prompt": question, "context": context, "category": classify(question),
                             "source": "sharegpt-turns", "topic": f"{item['id']}#{index // 2}", "conversation": item["id"]})
@@ -177,8 +179,7 @@ def build_turn_set(files: dict[str, bytes]) -> list[dict]:
             unique.setdefault(key, record)  # a question asked in many conversations ("continue") is kept once
     for record in unique.values():
         record["split"] = _split("sharegpt", record.pop("conversation"))
-    records = list(unique.values())
-    return sorted(records, key=lambda r: _digest(json.dumps([r["context"], r["prompt"]])))
+    return sorted(unique.values(), key=lambda r: _digest(json.dumps([r["context"], r["prompt"]])))
 
 
 def _normalised(prompt: str) -> str:
