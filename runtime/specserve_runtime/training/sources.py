@@ -115,7 +115,10 @@ def sharegpt_later_turns(text: str) -> list[dict]:
             if not usable(question):
                 continue
             start, chars = index, 0  # whole exchanges (a user turn and its answer), newest first
-            while start >= 2 and chars + (exchange := len(messages[start - 2]["content"]) + len(messages[start - 1]["content"])) <= CONTEXT_CHARS:
+            while start >= 2:
+                exchange = len(messages[start - 2]["content"]) + len(messages[start - 1]["content"])
+                if chars + exchange > CONTEXT_CHARS:
+                    break
                 start, chars = start - 2, chars + exchange
             context = messages[start:index]
             if not context or not all(usable(m["content"]) for m in context):
