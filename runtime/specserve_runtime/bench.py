@@ -123,16 +123,19 @@ def _median_run(run, repeats: int):
 
 
 def method_spec(name: str) -> tuple[str, ProposerOptions]:
-    """'dflash', 'dflash:3' for 3 speculative tokens per step, 'dflash@FOLDER' or 'dflash:3@FOLDER'
-    for a drafter other than the bundled one (a training run's drafter/) -> the method and its
-    proposer options."""
+    """'dflash', 'dflash:3' for 3 speculative tokens per step, 'dflash:tree5' for a tree of 5 drafts
+    (the block's most likely prefixes), 'dflash@FOLDER' or 'dflash:3@FOLDER' for a drafter other
+    than the bundled one (a training run's drafter/) -> the method and its proposer options."""
     spec, _, folder = name.partition("@")
     method, _, tokens = spec.partition(":")
+    tree = tokens.startswith("tree")
+    tokens = tokens.removeprefix("tree")
     if tokens and not (tokens.isdigit() and int(tokens) >= 1):
-        raise ValueError(f"{name!r}: the number after ':' is the speculative tokens per step, an integer >= 1")
+        raise ValueError(f"{name!r}: the number after ':' (or ':tree') is the speculative tokens per step, an integer >= 1")
     if "@" in name and not folder:
         raise ValueError(f"{name!r}: a drafter folder follows '@'")
-    return method, ProposerOptions(drafter=folder or None, num_speculative_tokens=int(tokens) if tokens else None)
+    return method, ProposerOptions(drafter=folder or None, num_speculative_tokens=int(tokens) if tokens else None,
+                                   draft_tree=tree)
 
 
 def run_bench(model: LoadedModel, methods: list[str], baselines: list[Baseline], prompts: list[dict],

@@ -15,6 +15,8 @@ COMMITTED_DATA = Path(__file__).resolve().parents[1] / "data"
 DEFAULT_TRAIN_DATA, DEFAULT_EVAL_DATA = COMMITTED_DATA / "distill-v2", COMMITTED_DATA / "distill-v2-eval"
 EVAL_DATA_HELP = ("distilled held-out data (default: set v2's held-out split, runtime/data/distill-v2-eval "
                   "in a source checkout)")
+DRAFT_TREE_HELP = ("dflash: verify the block's most likely prefixes, a tree of --num-speculative-tokens drafts, "
+                   "instead of its top token per slot")
 
 
 class UsageError(Exception):
@@ -86,7 +88,8 @@ def cmd_generate(args) -> None:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = SamplingParams(temperature=args.temperature)
     model = load_model(args.model)
-    engine = build_engine(model, args.method, ProposerOptions(args.drafter, num_tokens, seed=args.seed))
+    engine = build_engine(model, args.method, ProposerOptions(args.drafter, num_tokens, seed=args.seed,
+                                                              draft_tree=args.draft_tree))
     for index, prompt in enumerate(prompts):
         request = Request(model.encode(prompt, raw=args.raw), args.max_new_tokens, sampling, args.seed)
         result = engine.generate(request)
@@ -209,8 +212,9 @@ def cmd_eval_drafter(args) -> None:
         raise UsageError(f"--eval-sequences must be >= 1, got {args.eval_sequences}")
     model = load_model(args.model)
     result = evaluate_drafter(args.method, folder, model.target, eval_data, args.eval_sequences, args.drafts,
-                              log=lambda message: print(message, file=sys.stderr))
-    print(f"{args.method} drafter {folder}, {result['drafts']} drafts, {result['sequences']} held-out sequences of "
+                              args.draft_tree, log=lambda message: print(message, file=sys.stderr))
+    drafts = f"a tree of {result['drafts']} drafts" if result["tree"] else f"{result['drafts']} drafts"
+    print(f"{args.method} drafter {folder}, {drafts}, {result['sequences']} held-out sequences of "
           f"{eval_data} (T=0, teacher-forced):", file=sys.stderr)
     print("| prompts | tau, every position | tau in the engine | per-position acceptance in the engine |", file=sys.stderr)
     print("|---|---|---|---|", file=sys.stderr)
@@ -268,7 +272,8 @@ def run_embedded_server(args) -> None:
 
     def load():  # in the engine's thread (server/app.py, Worker)
         model = load_model(args.model)
-        return model, build_engine(model, method, ProposerOptions(args.drafter, args.num_speculative_tokens),
+        options = ProposerOptions(args.drafter, args.num_speculative_tokens, draft_tree=args.draft_tree)
+        return model, build_engine(model, method, options,
                                    args.max_num_batched_tokens, adaptive=args.speculation == "adaptive")
 
     served_name = args.served_model_name or Path(str(args.model)).name
@@ -470,6 +475,7 @@ def build_parser() -> Parser:
     gen.add_argument("--drafter", help="drafter checkpoint folder, or 'random' for a seeded random drafter")
     gen.add_argument("--block-size", type=int, help="dflash: tokens per drafted block (last token + B-1 masks)")
     gen.add_argument("--num-speculative-tokens", type=int, help="draft tokens per step")
+    gen.add_argument("--draft-tree", action="store_true", help=DRAFT_TREE_HELP)
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one user message")
     source.add_argument("--prompts-file", help='JSONL file, one object with a "prompt" field per line')
@@ -485,6 +491,7 @@ def build_parser() -> Parser:
     serve.add_argument("--method", default="dflash", choices=("none",) + METHODS)
     serve.add_argument("--drafter", help="drafter checkpoint folder, or 'random'")
     serve.add_argument("--num-speculative-tokens", type=int)
+    serve.add_argument("--draft-tree", action="store_true", help=DRAFT_TREE_HELP)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", help="the OpenAI model name clients send (default: the model's name)")
@@ -600,6 +607,8 @@ def build_parser() -> Parser:
     evaluator.add_argument("--eval-sequences", type=int, default=256, help="the first N sequences (default 256)")
     evaluator.add_argument("--drafts", type=int, help="drafts per step, as the engine's METHOD:K (default: DFlash's "
                            "block size - 1, EAGLE-3's 4)")
+    evaluator.add_argument("--draft-tree", action="store_true", help=DRAFT_TREE_HELP.replace("--num-speculative-tokens",
+                                                                                            "--drafts"))
     evaluator.set_defaults(run=cmd_eval_drafter)
 
     sweeper = commands.add_parser("sweep-drafter", help="short DFlash runs varying block size and draft layers (resumable)")

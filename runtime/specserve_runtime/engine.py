@@ -25,7 +25,7 @@ from .config import DEFAULT_TOKEN_BUDGET
 from .drafters import Proposer, propose_all
 from .kv_cache import KVCache
 from .model import Segment, Transformer
-from .verify import SamplingParams, accept, position_uniforms, target_tokens
+from .verify import DraftTree, SamplingParams, accept, position_uniforms, target_tokens
 
 
 @dataclass(frozen=True)
@@ -162,27 +162,29 @@ class Engine:
         # The adaptive choice, or None: the proposer's own length.
         length = self.chooser.choose(len(decoding), decode_only) if self.chooser and decoding else None
         self.draft_length = length
-        work: list[tuple[Sequence, list[int], list[int] | None]] = []  # (sequence, new tokens, drafts)
+        work: list[tuple[Sequence, Segment, DraftTree | None]] = []  # (sequence, its new tokens, drafts)
         proposals = propose_all(self.proposer, [(s.proposer, s.tokens, self._draft_limit(s, length)) for s in decoding],
                                 self.batch_drafts)
-        for sequence, drafts in zip(decoding, proposals):  # running sequences first: verify [last token, drafts...]
-            work.append((sequence, sequence.tokens[-1:] + drafts, drafts))
+        for sequence, proposal in zip(decoding, proposals):  # running sequences first: verify [last token, drafts...]
+            drafts = proposal if isinstance(proposal, DraftTree) else DraftTree.chain(proposal)
+            # The last committed token is the tree's root: its row of logits verifies the first drafts.
+            parents = None if drafts.is_chain else [-1] + [parent + 1 for parent in drafts.parents]
+            new_tokens = torch.tensor(sequence.tokens[-1:] + drafts.tokens)
+            work.append((sequence, Segment(new_tokens, sequence.cache, 1 + len(drafts), parents), drafts))
             budget -= 1 + len(drafts)
         for sequence in batch:
             if sequence.prefilling and budget > 0:
-                chunk = sequence.request.prompt_ids[sequence.num_prefilled : sequence.num_prefilled + budget]
-                work.append((sequence, chunk, None))
+                start = sequence.num_prefilled
+                chunk = sequence.request.prompt_ids[start : start + budget]
+                completes_prompt = start + len(chunk) == len(sequence.request.prompt_ids)
+                work.append((sequence, Segment(torch.tensor(chunk), sequence.cache, int(completes_prompt)), None))
                 budget -= len(chunk)
-        segments = []
-        for sequence, new_tokens, drafts in work:
-            completes_prompt = sequence.num_prefilled + len(new_tokens) == len(sequence.request.prompt_ids)
-            num_logits = len(new_tokens) if drafts is not None else int(completes_prompt)
-            segments.append(Segment(torch.tensor(new_tokens), sequence.cache, num_logits))
+        segments = [segment for _, segment, _ in work]
         outputs = self.target.forward_batch(segments, self.proposer.tap_layers)
         steps = {}
-        for (sequence, new_tokens, drafts), out in zip(work, outputs):
+        for (sequence, segment, drafts), out in zip(work, outputs):
             if drafts is None:
-                steps[id(sequence)] = self._prefilled(sequence, len(new_tokens), out)
+                steps[id(sequence)] = self._prefilled(sequence, segment.num_tokens, out)
             else:
                 steps[id(sequence)] = self._verified(sequence, drafts, out)
         if length is not None and decode_only:
@@ -221,15 +223,18 @@ class Engine:
         sequence.stats.prefill_seconds = sequence.first_token_at - sequence.started
         return self._commit(sequence, first, 0, 0)
 
-    def _verified(self, sequence: Sequence, drafts: list[int], out) -> Step:
+    def _verified(self, sequence: Sequence, drafts: DraftTree, out) -> Step:
         request = sequence.request
-        uniforms = self._uniforms(sequence, len(drafts) + 1)
-        committed = accept(torch.tensor(drafts, dtype=torch.long), out.logits, request.sampling, uniforms)
-        num_accepted = len(committed) - 1
-        # The cache now holds the whole block; keep the last committed token and the accepted
-        # drafts. The bonus token is not in the cache yet: it opens the next block.
-        sequence.cache.crop(sequence.cache.length - len(drafts) + num_accepted)
-        sequence.proposer.extend_context(None if out.taps is None else out.taps[: num_accepted + 1])
+        uniforms = self._uniforms(sequence, 1 + max(drafts.depths, default=0))
+        committed, accepted = accept(drafts, out.logits, request.sampling, uniforms)
+        num_accepted = len(accepted)
+        # The cache now holds the last committed token and every draft; keep that token and the
+        # accepted branch, moved to follow it. The bonus token is not in the cache yet: it opens
+        # the next block. The drafter's context grows by the same tokens' target features.
+        root = sequence.cache.length - len(drafts) - 1
+        sequence.cache.keep(root + 1, [root + 1 + index for index in accepted])
+        rows = [0] + [1 + index for index in accepted]
+        sequence.proposer.extend_context(None if out.taps is None else out.taps[rows])
         sequence.tokens += committed
         _record(sequence.stats, len(drafts), num_accepted)
         return self._commit(sequence, committed, len(drafts), num_accepted)

@@ -9,7 +9,8 @@ class KVCache:
     `length` counts the positions whose keys and values are valid. A forward of T new tokens
     writes slots [length, length + T) in every layer and then advances `length` by T.
     Rejected draft positions are dropped with `crop`: their slots stay allocated and are
-    overwritten by the next forward, so rollback costs nothing.
+    overwritten by the next forward, so rollback costs nothing. A draft tree's accepted branch
+    is not contiguous in the slots the forward wrote: `keep` moves it down first.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype=torch.float32):
@@ -39,3 +40,15 @@ class KVCache:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot crop a cache of length {self.length} to {length}")
         self.length = length
+
+    def keep(self, start: int, slots: list[int]) -> None:
+        """Keep, after the first `start` positions, only `slots` (ascending, all >= start), moved
+        down to start, start + 1, ...: the accepted branch of a draft tree."""
+        if any(slot < start or slot >= self.length for slot in slots) or slots != sorted(set(slots)):
+            raise ValueError(f"cannot keep slots {slots} after {start} in a cache of length {self.length}")
+        end = start + len(slots)
+        if slots != list(range(start, end)):  # a chain's accepted drafts are in place already
+            index = torch.tensor(slots)
+            self.k[:, :, start:end] = self.k[:, :, index]  # indexing copies: overlapping ranges are safe
+            self.v[:, :, start:end] = self.v[:, :, index]
+        self.crop(end)

@@ -188,6 +188,20 @@ def causal_mask(num_queries: int, num_keys: int) -> torch.Tensor | None:
     return k <= q + offset
 
 
+def tree_mask(parents: list[int], num_cached: int) -> torch.Tensor:
+    """Boolean mask for new tokens that form a tree after `num_cached` cached positions (parents[i]:
+    the new token that token i follows, -1 for the cached ones): each sees the cached positions,
+    its ancestors and itself, never another branch."""
+    size = len(parents)
+    mask = torch.zeros(size, num_cached + size, dtype=torch.bool)
+    mask[:, :num_cached] = True
+    for index, parent in enumerate(parents):  # parents come first, so their rows are complete
+        if parent >= 0:
+            mask[index] |= mask[parent]
+        mask[index, num_cached + index] = True
+    return mask
+
+
 class Attention(nn.Module):
     """Grouped-query attention projections; how keys and values are gathered is the caller's choice."""
 

@@ -1,7 +1,7 @@
 """From user-facing names (model, method, drafter) to a ready Engine."""
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .config import DEFAULT_TOKEN_BUDGET
@@ -65,6 +65,6 @@ def _eos_ids(folder: Path, tokenizer) -> set[int]:
 def build_engine(model: LoadedModel, method: str, options: ProposerOptions = ProposerOptions(),
                  token_budget: int = DEFAULT_TOKEN_BUDGET, adaptive: bool = False) -> Engine:
     if method == "dflash" and options.drafter == "random" and options.mask_token_id is None:
-        options = ProposerOptions(options.drafter, options.num_speculative_tokens, model.mask_token_id(), options.seed)
+        options = replace(options, mask_token_id=model.mask_token_id())
     proposer = build_proposer(method, model.target, options)
     return Engine(model.target, model.tokenizer, proposer, model.eos_ids, token_budget, adaptive)

@@ -20,7 +20,8 @@ from torch import nn
 
 from .errors import ModelError
 from .kv_cache import KVCache
-from .layers import MLP, Attention, RMSNorm, RotaryEmbedding, causal_mask, fuse_projections
+from .layers import MLP, Attention, RMSNorm, RotaryEmbedding, causal_mask, fuse_projections, tree_mask
+from .verify import tree_depths
 
 SUPPORTED_ARCHITECTURES = {"llama": False, "qwen3": True}  # model_type -> per-head q/k norm
 
@@ -103,10 +104,24 @@ class Segment:
     tokens: torch.Tensor  # [T]
     cache: KVCache
     num_logits: int  # logits for the last this-many new tokens: all of a verify block, the last of a prompt, or none
+    parents: list[int] | None = None  # new tokens that form a tree: the new token each follows (-1: the cached
+    # ones), parents first. None: each follows the one before.
 
     @property
     def num_tokens(self) -> int:
         return self.tokens.shape[0]
+
+    def positions(self) -> torch.Tensor:
+        """Each new token's position: its own sequence's, so a tree's siblings share one."""
+        start = self.cache.length
+        if self.parents is None:
+            return torch.arange(start, start + self.num_tokens)
+        return start - 1 + torch.tensor(tree_depths(self.parents))
+
+    def mask(self) -> torch.Tensor | None:
+        if self.parents is None:
+            return causal_mask(self.num_tokens, self.cache.length + self.num_tokens)
+        return tree_mask(self.parents, self.cache.length)
 
 
 @dataclass
@@ -146,10 +161,9 @@ class Transformer(nn.Module):
     def forward_batch(self, batch: list[Segment], tap_layers: tuple[int, ...] = ()) -> list[TargetOutput]:
         """Every segment's logits (its last `num_logits` rows) and taps; each cache grows by its segment."""
         sizes = [segment.num_tokens for segment in batch]
-        # Each token's position continues its own sequence, so RoPE and the causal masks are per segment.
-        positions = torch.cat([torch.arange(s.cache.length, s.cache.length + s.num_tokens) for s in batch])
-        cos, sin = self.rotary(positions)
-        masks = [causal_mask(s.num_tokens, s.cache.length + s.num_tokens) for s in batch]
+        # Each token's position continues its own sequence, so RoPE and the masks are per segment.
+        cos, sin = self.rotary(torch.cat([segment.positions() for segment in batch]))
+        masks = [segment.mask() for segment in batch]
         x = self.embed_tokens(torch.cat([segment.tokens for segment in batch]))  # [N, H]
         taps = []
         for i, layer in enumerate(self.layers):

@@ -5,9 +5,13 @@ Terms (as in vLLM's rejection sampler):
 - accepted tokens: the longest prefix of the drafts that the target agrees with;
 - bonus token: the target's own token right after the accepted prefix (on a full accept,
   the token after the last draft). Every step commits accepted + 1 tokens.
+
+Drafts form a tree (a chain is the tree in which each draft follows the one before): the target
+verifies every branch in one forward, and the accepted prefix is the longest branch it agrees with.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -22,6 +26,54 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """Draft tokens and, for each, the index of the draft it follows (-1: the last committed token).
+
+    Every parent comes before its children, and siblings hold different tokens.
+    """
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int] = field(init=False, repr=False)  # draft i is the depths[i]-th token after the committed ones
+
+    def __post_init__(self):
+        if len(self.tokens) != len(self.parents):
+            raise ValueError(f"{len(self.tokens)} draft tokens but {len(self.parents)} parents")
+        object.__setattr__(self, "depths", tree_depths(self.parents))
+
+    @classmethod
+    def chain(cls, tokens: list[int]) -> "DraftTree":
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)))
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents == list(range(-1, len(self.tokens) - 1))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def accepted(self, target_token: Callable[[int], int | None]) -> list[int]:
+        """The drafts accepted, root first, when the target's token after row r (0: the committed
+        tokens, 1 + i: draft i) is target_token(r): from the root, move to the child that holds the
+        target's token until no child does."""
+        child = {(parent + 1, token): index + 1 for index, (token, parent) in enumerate(zip(self.tokens, self.parents))}
+        rows = [0]
+        while (row := child.get((rows[-1], target_token(rows[-1])))) is not None:
+            rows.append(row)
+        return [row - 1 for row in rows[1:]]
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """How many tokens past what precedes a tree each of its tokens is (1 for a child of -1)."""
+    depths: list[int] = []
+    for index, parent in enumerate(parents):
+        if not -1 <= parent < index:
+            raise ValueError(f"token {index} of a tree follows {parent}: a parent must come before its child")
+        depths.append(1 + (depths[parent] if parent >= 0 else 0))
+    return depths
 
 
 def position_uniforms(seed: int, first_position: int, count: int) -> torch.Tensor:
@@ -60,18 +112,23 @@ def target_tokens(logits: torch.Tensor, params: SamplingParams, uniforms: torch.
     return torch.searchsorted(cdf, threshold, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
-def accept(drafts: torch.Tensor, logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None = None) -> list[int]:
-    """Tokens to commit after verifying drafts [k] with the target's logits [k + 1, V].
+def accept(drafts: DraftTree, logits: torch.Tensor, params: SamplingParams,
+           uniforms: torch.Tensor | None = None) -> tuple[list[int], list[int]]:
+    """Tokens to commit after verifying a draft tree with the target's logits [1 + len(drafts), V],
+    and the indices of the drafts accepted (the branch kept, root first).
 
-    Row i of the logits is the target's distribution after the committed tokens and drafts[:i].
-    The target picks its own token t_i from every row (argmax at T=0, a sample at T>0, drawn with
-    row i's uniform number); draft i is accepted iff it equals t_i and all earlier drafts were
-    accepted. So the committed tokens are t_0..t_n (n = number accepted, t_n the bonus): each is
-    the target's choice given exactly the tokens before it, which makes greedy output identical to
-    plain decoding and sampled output distributed exactly as the target's (rejection sampling with
-    a one-hot draft); with position_uniforms, a seeded sample is even the same token plain
-    decoding draws.
+    Row 0 of the logits is the target's distribution after the committed tokens, row 1 + i its
+    distribution after draft i and the drafts on the branch that leads to it. Walking down from the
+    root, the target picks its own token t from the current row (argmax at T=0, a sample at T>0,
+    drawn with the uniform number of that row's output position, `uniforms[depth]`); if a child
+    of the current node holds t, the walk moves to it, else t is the bonus token and the walk
+    stops. So every committed token is the target's choice given exactly the tokens before it,
+    whatever the drafts were: greedy output is identical to plain decoding, and sampled output is
+    distributed exactly as the target's (rejection sampling with one-hot drafts); with
+    position_uniforms, a seeded sample is even the same token plain decoding draws.
     """
-    chosen = target_tokens(logits, params, uniforms)  # [k + 1]
-    num_accepted = int((drafts == chosen[:-1]).int().cumprod(dim=0).sum())
-    return chosen[: num_accepted + 1].tolist()
+    depths = [0] + drafts.depths  # of each row
+    row_uniforms = None if uniforms is None else uniforms[depths]
+    chosen = target_tokens(logits, params, row_uniforms).tolist()
+    accepted = drafts.accepted(chosen.__getitem__)
+    return [chosen[row] for row in [0] + [index + 1 for index in accepted]], accepted

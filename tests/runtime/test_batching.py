@@ -16,6 +16,7 @@ PROPOSERS = {
     "ngram": ProposerOptions(num_speculative_tokens=4),
     "eagle3": ProposerOptions("random", 3, seed=1),
     "dflash": ProposerOptions("random", 5, mask_token_id=95, seed=2),
+    "dflash-tree": ProposerOptions("random", 5, mask_token_id=95, seed=2, draft_tree=True),
 }
 
 
@@ -38,7 +39,8 @@ def requests() -> list[Request]:
 
 
 def build(target, method: str, token_budget: int = 512, adaptive: bool = False) -> Engine:
-    proposer = NoDraft() if PROPOSERS[method] is None else build_proposer(method, target, PROPOSERS[method])
+    options = PROPOSERS[method]
+    proposer = NoDraft() if options is None else build_proposer(method.removesuffix("-tree"), target, options)
     return Engine(target, ByteTokenizer(), proposer, {2}, token_budget, adaptive)
 
 
@@ -76,7 +78,7 @@ def test_each_sequence_of_a_batch_decodes_exactly_as_it_would_alone(tiny_llama, 
         assert sum(result.num_accepted_tokens for result in together) > 0  # verify blocks were really batched
 
 
-@pytest.mark.parametrize("method", ["ngram", "eagle3", "dflash"])
+@pytest.mark.parametrize("method", ["ngram", "eagle3", "dflash", "dflash-tree"])
 def test_a_seeded_sample_is_the_same_text_with_and_without_speculation(tiny_llama, method):
     """Every position's token is drawn with a number fixed by (seed, position), so speculation, like
     batching, changes nothing of a seeded sampled request, not just its distribution."""

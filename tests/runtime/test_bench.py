@@ -56,7 +56,9 @@ def test_method_spec_sets_the_speculative_tokens():
 
     assert method_spec("dflash") == ("dflash", ProposerOptions())
     assert method_spec("dflash:3") == ("dflash", ProposerOptions(num_speculative_tokens=3))
-    for bad in ("dflash:0", "dflash:x", "dflash:0@/runs/a/drafter"):
+    assert method_spec("dflash:tree5") == ("dflash", ProposerOptions(num_speculative_tokens=5, draft_tree=True))
+    assert method_spec("dflash:tree") == ("dflash", ProposerOptions(draft_tree=True))
+    for bad in ("dflash:0", "dflash:x", "dflash:0@/runs/a/drafter", "dflash:tree0", "dflash:treex"):
         with pytest.raises(ValueError, match="speculative tokens per step"):
             method_spec(bad)
 

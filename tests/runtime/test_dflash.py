@@ -1,5 +1,6 @@
 """DFlash drafter: layer-id formula, z-lab checkpoint layout, speculators (vLLM) export, context caching."""
 
+import itertools
 import json
 
 import pytest
@@ -13,6 +14,7 @@ from specserve_runtime.drafters.dflash import (
     load_dflash,
     random_drafter,
     save_dflash,
+    draft_tree,
     target_layer_ids,
 )
 from specserve_runtime.model import load_target
@@ -243,3 +245,25 @@ def test_speculators_loads_the_export_and_computes_the_same_draft_logits(tmp_pat
     assert converted.config.aux_hidden_state_layer_ids == [2, 4]
     with torch.no_grad():
         torch.testing.assert_close(speculators_draft_logits(converted, taps, block, 9), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_nodes", [1, 3, 6, 10])
+def test_draft_tree_holds_the_most_likely_prefixes_of_the_block(num_nodes):
+    slots, vocab = 4, 5
+    log_probs = torch.log_softmax(torch.randn(slots, vocab, generator=torch.Generator().manual_seed(num_nodes)), -1)
+    tree = draft_tree(log_probs, num_nodes)
+    # Each node's prefix (its branch's tokens, root first) and that prefix's log-probability.
+    prefixes = []
+    for node, parent in enumerate(tree.parents):
+        prefixes.append((prefixes[parent] if parent >= 0 else ()) + (tree.tokens[node],))
+    assert len(set(prefixes)) == len(prefixes) == num_nodes  # siblings differ: no prefix twice
+    every_prefix = [p for depth in range(1, slots + 1) for p in itertools.product(range(vocab), repeat=depth)]
+    def score(prefix):
+        return sum(float(log_probs[slot, token]) for slot, token in enumerate(prefix))
+    best = sorted(every_prefix, key=score, reverse=True)[:num_nodes]
+    assert sorted(prefixes) == sorted(best)
+
+
+def test_a_draft_tree_is_for_dflash_only(tiny_llama):
+    with pytest.raises(DrafterError, match="draft tree is built from a DFlash block"):
+        build_proposer("eagle3", tiny_llama, ProposerOptions("random", 3, draft_tree=True))

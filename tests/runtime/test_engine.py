@@ -6,7 +6,7 @@ from scipy.stats import chi2
 
 from specserve_runtime.drafters import NoDraft, ProposerOptions, build_proposer
 from specserve_runtime.engine import Engine, Request
-from specserve_runtime.verify import SamplingParams, accept
+from specserve_runtime.verify import DraftTree, SamplingParams, accept
 
 from .conftest import ByteTokenizer
 
@@ -42,6 +42,24 @@ class OracleProposer:
         return drafts
 
 
+class TreeOracleProposer(OracleProposer):
+    """Drafts a tree whose first child at every depth is wrong and whose second holds the known
+    continuation (corrupted as OracleProposer does): the accepted branch is never the first, so
+    its keys/values and features must be gathered from scattered slots."""
+
+    def propose(self, tokens, max_drafts):
+        budget = min(self.k, max_drafts)  # drafts in all: two per depth
+        chain = super().propose(tokens, max(budget // 2, 1))
+        drafts, parents, parent = [], [], -1
+        for token in chain:
+            if len(drafts) + 2 > budget:
+                break
+            drafts += [(token + 1) % 96, token]  # a wrong sibling first, then the oracle's token
+            parents += [parent, parent]
+            parent = len(drafts) - 1
+        return DraftTree(drafts, parents)
+
+
 def engine(target, proposer, eos_ids=frozenset()):
     return Engine(target, ByteTokenizer(), proposer, set(eos_ids))
 
@@ -55,10 +73,30 @@ def test_accept_commits_the_matching_prefix_and_the_bonus_token():
     for row, token in enumerate([1, 2, 9, 4]):  # the target's greedy choices
         logits[row, token] = 10.0
     greedy_params = SamplingParams()
-    assert accept(torch.tensor([1, 2, 3]), logits, greedy_params) == [1, 2, 9]  # third draft rejected
-    assert accept(torch.tensor([7, 2, 9]), logits, greedy_params) == [1]  # first draft rejected
-    assert accept(torch.tensor([1, 2, 9]), logits, greedy_params) == [1, 2, 9, 4]  # all + bonus
-    assert accept(torch.tensor([], dtype=torch.long), logits[:1], greedy_params) == [1]  # plain decoding
+    chain = DraftTree.chain
+    assert accept(chain([1, 2, 3]), logits, greedy_params) == ([1, 2, 9], [0, 1])  # third draft rejected
+    assert accept(chain([7, 2, 9]), logits, greedy_params) == ([1], [])  # first draft rejected
+    assert accept(chain([1, 2, 9]), logits, greedy_params) == ([1, 2, 9, 4], [0, 1, 2])  # all + bonus
+    assert accept(chain([]), logits[:1], greedy_params) == ([1], [])  # plain decoding
+
+
+def test_accept_walks_down_the_branch_the_target_agrees_with():
+    # Drafts: 0:'7' and 1:'1' follow the committed tokens; 2:'5' and 3:'2' follow '1'; 4:'9' follows '2'.
+    drafts = DraftTree([7, 1, 5, 2, 9], [-1, -1, 1, 1, 3])
+    assert drafts.depths == [1, 1, 2, 2, 3]
+    choices = {0: 1, 1: 0, 2: 2, 3: 8, 4: 3, 5: 6}  # the target's token at each row (row 1 + i: after draft i)
+    logits = torch.full((6, 10), -10.0)
+    for row, token in choices.items():
+        logits[row, token] = 10.0
+    # '1' (the second child), then '2' (again not the first), then the target's 3 after '2': '9' is rejected.
+    assert accept(drafts, logits, SamplingParams()) == ([1, 2, 3], [1, 3])
+
+
+def test_a_draft_tree_needs_each_parent_before_its_children():
+    with pytest.raises(ValueError, match="parent must come before"):
+        DraftTree([1, 2], [1, -1])
+    with pytest.raises(ValueError, match="2 draft tokens but 1 parents"):
+        DraftTree([1, 2], [-1])
 
 
 @pytest.mark.parametrize("corrupt_every", [0, 1, 2, 3])
@@ -73,6 +111,20 @@ def test_oracle_drafts_are_lossless_at_every_acceptance_length(tiny_llama, k, co
         assert result.target_forwards < reference.target_forwards
     if corrupt_every == 0:  # perfect drafts: every forward commits k + 1 tokens (but the last)
         assert result.target_forwards == -(-(40 - 1) // (k + 1))
+
+
+@pytest.mark.parametrize("corrupt_every", [0, 2])
+@pytest.mark.parametrize("k", [2, 7])
+def test_tree_drafts_are_lossless_and_accepted_off_the_first_branch(tiny_llama, k, corrupt_every):
+    reference = greedy(tiny_llama)
+    proposer = TreeOracleProposer(reference.token_ids, len(PROMPT), k, corrupt_every)
+    result = engine(tiny_llama, proposer).generate(Request(PROMPT, 40))
+    assert result.token_ids == reference.token_ids
+    assert result.num_accepted_tokens > 0
+    assert result.target_forwards < reference.target_forwards
+    if corrupt_every == 0:  # every step accepts its whole oracle branch, half of the drafts
+        assert result.num_accepted_tokens * 2 == result.num_draft_tokens
+        assert result.target_forwards <= -(-(40 - 1) // (k // 2 + 1)) + 1  # +1: the last steps draft less
 
 
 def test_block_straddling_eos_stops_at_eos(tiny_llama):
@@ -107,9 +159,10 @@ def test_stop_string_ends_generation_without_emitting_text_past_it(tiny_llama):
     assert len(result.token_ids) < len(free_run)
 
 
-@pytest.mark.parametrize("method", ["ngram", "eagle3", "dflash"])
+@pytest.mark.parametrize("method", ["ngram", "eagle3", "dflash", "dflash-tree"])
 def test_random_drafters_are_lossless_on_a_tiny_target(tiny_llama, method):
-    options = ProposerOptions("random", 3 if method != "dflash" else 5, mask_token_id=95, seed=1)
+    method, _, tree = method.partition("-")
+    options = ProposerOptions("random", 3 if method != "dflash" else 5, mask_token_id=95, seed=1, draft_tree=bool(tree))
     proposer = build_proposer(method, tiny_llama, options)
     result = engine(tiny_llama, proposer).generate(Request(PROMPT, 40))
     assert result.token_ids == greedy(tiny_llama).token_ids
@@ -154,7 +207,7 @@ class ArgmaxProposer(OracleProposer):
         return drafts
 
 
-@pytest.mark.parametrize("proposer_name", ["argmax", "dflash"])
+@pytest.mark.parametrize("proposer_name", ["argmax", "dflash", "dflash-tree"])
 def test_speculative_sampling_follows_the_target_distribution(tiny_llama, proposer_name):
     params = SamplingParams(temperature=0.8)
     prompt = PROMPT[:4]
@@ -162,7 +215,8 @@ def test_speculative_sampling_follows_the_target_distribution(tiny_llama, propos
     if proposer_name == "argmax":
         proposer = ArgmaxProposer(tiny_llama)
     else:
-        proposer = build_proposer("dflash", tiny_llama, ProposerOptions("random", 3, mask_token_id=95, seed=0))
+        options = ProposerOptions("random", 3, mask_token_id=95, seed=0, draft_tree=proposer_name == "dflash-tree")
+        proposer = build_proposer("dflash", tiny_llama, options)
     spec = engine(tiny_llama, proposer)
     counts = torch.zeros_like(joint)
     accepted = 0

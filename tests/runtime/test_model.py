@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from specserve_runtime.kv_cache import KVCache
-from specserve_runtime.layers import causal_mask
-from specserve_runtime.model import load_target
+from specserve_runtime.layers import causal_mask, tree_mask
+from specserve_runtime.model import Segment, load_target
 
 from .conftest import save_tiny_hf_model
 
@@ -49,6 +49,55 @@ def test_crop_discards_rejected_positions(tiny_llama):
     torch.testing.assert_close(after_crop, clean, atol=1e-5, rtol=1e-5)
 
 
+# A draft tree after the last committed token (index 0): 0 -> 1 -> 3 -> 5, 0 -> 2 -> 4, 1 -> 6.
+TREE_TOKENS = torch.tensor([11, 21, 22, 31, 32, 41, 33])
+TREE_PARENTS = [-1, 0, 0, 1, 2, 3, 1]
+
+
+def _branch(node: int) -> list[int]:
+    """The tree's nodes from the root down to `node`."""
+    branch = [node]
+    while TREE_PARENTS[branch[0]] >= 0:
+        branch.insert(0, TREE_PARENTS[branch[0]])
+    return branch
+
+
+def test_a_tree_forward_gives_every_node_the_logits_of_its_own_branch(tiny_llama):
+    prefix = torch.randint(0, 96, (9,), generator=torch.Generator().manual_seed(4))
+    cache = tiny_llama.new_cache(32)
+    tiny_llama(prefix, cache)
+    (tree,) = tiny_llama.forward_batch([Segment(TREE_TOKENS, cache, len(TREE_TOKENS), TREE_PARENTS)], (2,))
+    for node in range(len(TREE_TOKENS)):
+        chain = torch.cat([prefix, TREE_TOKENS[_branch(node)]])
+        alone = tiny_llama(chain, tiny_llama.new_cache(32), tap_layers=(2,))
+        torch.testing.assert_close(tree.logits[node], alone.logits[-1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(tree.taps[node], alone.taps[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_keeping_a_branch_leaves_the_cache_as_if_only_that_branch_was_decoded(tiny_llama):
+    prefix = torch.randint(0, 96, (9,), generator=torch.Generator().manual_seed(5))
+    follow = torch.tensor([40, 41])
+    branch = _branch(5)  # 0, 1, 3, 5: not contiguous among the tree's slots
+    cache = tiny_llama.new_cache(32)
+    tiny_llama(prefix, cache)
+    tiny_llama.forward_batch([Segment(TREE_TOKENS, cache, 0, TREE_PARENTS)])
+    cache.keep(9, [9 + node for node in branch])
+    assert cache.length == 9 + len(branch)
+    after_keep = tiny_llama(follow, cache).logits
+    clean = tiny_llama(torch.cat([prefix, TREE_TOKENS[branch], follow]), tiny_llama.new_cache(32)).logits[-2:]
+    torch.testing.assert_close(after_keep, clean, atol=1e-5, rtol=1e-5)
+
+
+def test_tree_mask_lets_each_token_see_the_cache_its_ancestors_and_itself():
+    mask = tree_mask([-1, 0, 0, 1], num_cached=2)
+    assert mask.int().tolist() == [
+        [1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 1, 0, 1, 0],  # a sibling of the token before: not its ancestor
+        [1, 1, 1, 1, 0, 1],
+    ]
+
+
 def test_kv_cache_bounds():
     cache = KVCache(num_layers=1, num_kv_heads=1, head_dim=2, capacity=4)
     k = torch.zeros(1, 1, 3, 2)
@@ -58,6 +107,10 @@ def test_kv_cache_bounds():
         cache.write(0, k, k)
     with pytest.raises(ValueError, match="cannot crop"):
         cache.crop(4)
+    with pytest.raises(ValueError, match="cannot keep"):
+        cache.keep(1, [2, 1])  # slots must ascend
+    with pytest.raises(ValueError, match="cannot keep"):
+        cache.keep(1, [3])  # past the valid positions
     cache.crop(1)
     assert cache.length == 1 and cache.get(0)[0].shape == (1, 1, 1, 2)
 

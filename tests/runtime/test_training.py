@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from specserve_runtime.drafters import build_proposer
+from specserve_runtime.drafters import DrafterError, build_proposer
 from specserve_runtime.drafters.dflash import DFlashConfig, DFlashProposer, load_dflash, random_drafter, save_dflash
 from specserve_runtime.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Proposer, load_eagle3, save_eagle3
 from specserve_runtime.drafters.vocab import DraftHead, draft_token_ids, set_draft_vocab
@@ -18,6 +18,7 @@ from specserve_runtime.training.recipes import (
     engine_walk,
     position_weights,
     sample_anchors,
+    tree_accepted,
 )
 
 
@@ -196,7 +197,7 @@ def test_held_out_evaluation_reports_each_category_and_reads_only_the_shards_it_
     assert training.first_sequences(shards, 3)[1] == records[:3]
     anchors = []
 
-    def stats(cfg, drafter, target, head, record, taps, generator):
+    def stats(cfg, drafter, target, head, record, taps, generator, tree_nodes=None):
         anchors.append(cfg.anchors)
         return torch.tensor(1.0), {"accepted": record["accepted"], "accuracy": 0.5}
 
@@ -471,3 +472,22 @@ def test_eval_drafter_evaluates_a_saved_drafter_on_the_features_it_reads(tiny_ll
     assert (tmp_path / "eval" / f"taps-{taps}" / "shard-00000.safetensors").exists()
     two = evaluate_drafter(method, str(tmp_path / "drafter"), tiny_llama, eval_data, 2, drafts=2, log=lambda message: None)
     assert two["drafts"] == 2 and len(two["engine_per_position"]) == 2
+    if method == "dflash":  # a tree may hold more drafts than the block has slots
+        tree = evaluate_drafter(method, str(tmp_path / "drafter"), tiny_llama, eval_data, 2, 5, True, lambda message: None)
+        assert tree["tree"] and tree["drafts"] == 5 and 1 <= tree["engine_tau"] <= 1 + most
+        assert tree["engine_per_position"][most:] == [0, 0]  # no branch is deeper than the block
+    else:
+        with pytest.raises(DrafterError, match="draft tree is built from a DFlash block"):
+            evaluate_drafter(method, str(tmp_path / "drafter"), tiny_llama, eval_data, 2, 5, True, lambda message: None)
+
+
+def test_tree_acceptance_follows_the_data_down_any_branch():
+    # Slot 1 favours 3 over the data's 2; slots 2 and 3 favour 4 and 0. The data continues 2, 4, 1.
+    probs = torch.full((1, 3, 6), 0.02)
+    probs[0, 0, 3], probs[0, 0, 2], probs[0, 1, 4], probs[0, 2, 0] = 0.5, 0.44, 0.9, 0.9
+    logits, labels, valid = probs.log(), torch.tensor([[2, 4, 1]]), torch.ones(1, 3, dtype=torch.bool)
+    assert accepted_prefix(logits.argmax(-1) == labels).tolist() == [0]  # the chain of top tokens fails at once
+    # Prefixes by probability, once normalised: 3 (.49), 3-4 (.44), 2 (.43), 3-4-0 (.40), 2-4 (.39).
+    assert [tree_accepted(logits, labels, valid, nodes).tolist() for nodes in (2, 3, 4, 5)] == [[0], [1], [1], [2]]
+    valid[0, 1] = False  # the data ends after its first token
+    assert tree_accepted(logits, labels, valid, 5).tolist() == [1]

@@ -12,6 +12,7 @@ import torch
 
 from ..errors import DrafterError
 from ..model import ModelConfig, Transformer
+from ..verify import DraftTree
 from .vocab import DraftHead, draft_token_ids
 
 
@@ -29,8 +30,9 @@ class Proposer(Protocol):
     def extend_context(self, taps: torch.Tensor | None) -> None:
         """Target features [T, len(tap_layers) * H] of the tokens just committed to the target's KV cache."""
 
-    def propose(self, tokens: list[int], max_drafts: int) -> list[int]:
-        """Up to `max_drafts` guesses of the tokens that follow `tokens` (all committed tokens)."""
+    def propose(self, tokens: list[int], max_drafts: int) -> list[int] | DraftTree:
+        """Up to `max_drafts` guesses of the tokens that follow `tokens` (all committed tokens): a
+        chain, or a tree of as many drafts in all."""
 
     # Optional, for drafters with a model: propose_batch(work) with work a list of (that
     # sequence's proposer copy, its tokens, its max_drafts) returns every sequence's drafts from
@@ -38,7 +40,7 @@ class Proposer(Protocol):
 
 
 def propose_all(prototype: Proposer, work: list[tuple[Proposer, list[int], int]], batched: bool = True
-                ) -> list[list[int]]:
+                ) -> list[list[int] | DraftTree]:
     """Every sequence's drafts for one step: batched where the method can (propose_batch on the
     engine's proposer, whose weights all the copies share), else one propose() per sequence."""
     propose_batch = getattr(prototype, "propose_batch", None)
@@ -62,10 +64,10 @@ class ModelProposer:
     def extend_context(self, taps: torch.Tensor | None) -> None:
         self.pending.append(taps)
 
-    def propose(self, tokens: list[int], max_drafts: int) -> list[int]:
+    def propose(self, tokens: list[int], max_drafts: int) -> list[int] | DraftTree:
         return self.propose_batch([(self, tokens, max_drafts)])[0]
 
-    def propose_batch(self, work: list[tuple["ModelProposer", list[int], int]]) -> list[list[int]]:
+    def propose_batch(self, work: list[tuple["ModelProposer", list[int], int]]) -> list[list[int] | DraftTree]:
         raise NotImplementedError
 
 
@@ -91,6 +93,7 @@ class ProposerOptions:
     num_speculative_tokens: int | None = None  # drafts per step (dflash: block size - 1)
     mask_token_id: int | None = None  # dflash with a random drafter: the mask token to record
     seed: int = 0
+    draft_tree: bool = False  # dflash: the drafts are the block's most likely prefixes, a tree, not a chain
 
 
 # Drafters trained by the project for the default target (see each folder's CARD.md).
@@ -173,4 +176,6 @@ def build_proposer(method: str, target: Transformer, options: ProposerOptions = 
         raise DrafterError(f"unknown method {method!r}; choose one of {', '.join(PROPOSERS)}")
     if options.num_speculative_tokens is not None and options.num_speculative_tokens < 1:
         raise DrafterError(f"num_speculative_tokens must be >= 1, got {options.num_speculative_tokens}")
+    if options.draft_tree and method != "dflash":
+        raise DrafterError(f"a draft tree is built from a DFlash block's slots: method {method!r} drafts a chain")
     return PROPOSERS[method](target, options)

@@ -6,8 +6,12 @@ enter every draft layer as extra keys/values; queries come only from the block
 [last committed token, MASK x (B-1)], which attends to all context and to itself with no
 causal mask. The target's embedding and LM head are shared and frozen: a checkpoint ships
 neither, and they are applied here, in the proposer, not inside the drafter.
+
+The proposer drafts the block's most likely tokens, one per slot, or, as a draft tree, the most
+likely prefixes of the block (draft_tree): the same forward, more of its guesses verified.
 """
 
+import heapq
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -17,6 +21,7 @@ from torch import nn
 from ..kv_cache import KVCache
 from ..layers import RMSNorm, RotaryEmbedding, fuse_projections
 from ..model import DecoderLayer, ModelConfig, Transformer
+from ..verify import DraftTree
 from . import (
     DrafterError,
     ModelProposer,
@@ -220,8 +225,43 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
 
+def draft_tree(log_probs: torch.Tensor, num_nodes: int) -> DraftTree:
+    """The `num_nodes` most likely prefixes of a block, as a tree, from the drafter's
+    log-probabilities [slots, V] of each slot.
+
+    DFlash predicts every slot in one forward, from the context and the mask tokens, not from the
+    guesses before it: slot k's distribution is the drafter's marginal for the token k places
+    ahead. Taking the slots as independent, a prefix's probability is the product of its tokens'.
+    Best-first search adds the most likely prefix not yet in the tree; a prefix is never more
+    likely than the one it extends, nor than its next more likely sibling, so both join before it,
+    and every node's parent precedes it. A chain of the slots' top tokens is the tree whose every
+    slot is sure; where slot 1 hesitates, its second guess outranks slot 3's first.
+    """
+    top = log_probs.topk(min(num_nodes, log_probs.shape[-1]), dim=-1)
+    scores, ids = top.values.tolist(), top.indices.tolist()
+    tokens: list[int] = []
+    parents: list[int] = []
+    # Frontier of prefixes not yet in the tree: (-log-probability, slot, rank at that slot, parent node).
+    frontier = [(-scores[0][0], 0, 0, -1)]
+    while frontier and len(tokens) < num_nodes:
+        cost, slot, rank, parent = heapq.heappop(frontier)
+        tokens.append(ids[slot][rank])
+        parents.append(parent)
+        if rank + 1 < len(ids[slot]):  # the next sibling: the same parent, the slot's next guess
+            heapq.heappush(frontier, (cost + scores[slot][rank] - scores[slot][rank + 1], slot, rank + 1, parent))
+        if slot + 1 < len(ids):  # the first child: this prefix, then the next slot's top guess
+            heapq.heappush(frontier, (cost - scores[slot + 1][0], slot + 1, 0, len(tokens) - 1))
+    return DraftTree(tokens, parents)
+
+
 class DFlashProposer(ModelProposer):
     context_cache: KVCache | None = None  # per sequence: the projected target features, made by begin()
+
+    def __init__(self, target: Transformer, drafter: "DFlashDrafter", num_speculative_tokens: int, tree: bool = False):
+        """`tree`: draft the `num_speculative_tokens` most likely prefixes of the block (draft_tree),
+        not one token per slot."""
+        super().__init__(target, drafter, num_speculative_tokens)
+        self.tree = tree
 
     def begin(self, capacity: int) -> None:
         cfg = self.drafter.config
@@ -248,10 +288,16 @@ class DFlashProposer(ModelProposer):
         positions = torch.cat([torch.arange(cache.length, cache.length + block_size) for cache in caches])
         contexts = [[cache.get(layer) for layer in range(cfg.num_hidden_layers)] for cache in caches]
         hidden = self.drafter(self.target.embed_tokens(blocks.flatten()), positions, contexts)
-        # Slot i (i >= 1) predicts the token i places after the last committed one.
+        # Slot i (i >= 1) predicts the token i places after the last committed one. No draft, chain
+        # or tree, reaches deeper than its sequence's count.
         most = max(counts)
-        guesses = self.head.logits(hidden.view(len(drafting), block_size, -1)[:, 1 : 1 + most]).argmax(dim=-1)
-        guesses = iter(self.head.to_target(guesses).tolist())
+        logits = self.head.logits(hidden.view(len(drafting), block_size, -1)[:, 1 : 1 + most])
+        if self.tree:
+            log_probs = iter(torch.log_softmax(logits.float(), dim=-1))
+            trees = [draft_tree(next(log_probs)[:count], count) if count > 0 else None for count in counts]
+            return [DraftTree(self.head.to_target(torch.tensor(tree.tokens)).tolist(), tree.parents) if tree else []
+                    for tree in trees]
+        guesses = iter(self.head.to_target(logits.argmax(dim=-1)).tolist())
         return [next(guesses)[:count] if count > 0 else [] for count in counts]
 
     def _project_context(self, proposers: list["DFlashProposer"]) -> None:
@@ -322,6 +368,6 @@ def build_dflash(target: Transformer, options: ProposerOptions) -> DFlashPropose
     fuse_projections(drafter)
     max_drafts = drafter.config.block_size - 1
     num_tokens = options.num_speculative_tokens or bundled_speculative_tokens("dflash", options) or max_drafts
-    if num_tokens > max_drafts:
+    if num_tokens > max_drafts and not options.draft_tree:  # a tree's drafts spread over the block's slots
         raise DrafterError(f"num_speculative_tokens {num_tokens} exceeds the drafter's block size - 1 ({max_drafts})")
-    return DFlashProposer(target, drafter, num_tokens)
+    return DFlashProposer(target, drafter, num_tokens, options.draft_tree)

@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..drafters.dflash import DFlashDrafter
+from ..drafters.dflash import DFlashDrafter, draft_tree
 from ..drafters.eagle3 import Eagle3Drafter
 from ..drafters.vocab import IGNORE, DraftHead
 from ..model import Transformer
@@ -56,6 +56,19 @@ def accepted_prefix(correct: torch.Tensor) -> torch.Tensor:
     return correct.int().cumprod(dim=-1).sum(dim=-1)
 
 
+def tree_accepted(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, num_nodes: int) -> torch.Tensor:
+    """Per anchor, the drafts accepted when its block's drafts are draft_tree(num_nodes) of its
+    logits [N, B-1, V]: along an accepted branch the tokens are the data's, so the target's token
+    after a draft at depth d is the data's label d + 1 (IGNORE, never a draft, where it has none)."""
+    counts = []
+    for anchor_logits, anchor_labels, anchor_valid in zip(logits, labels.tolist(), valid.tolist()):
+        tree = draft_tree(torch.log_softmax(anchor_logits[:num_nodes].float(), dim=-1), num_nodes)
+        depths = [0] + tree.depths  # of each row: 0 the anchor, 1 + i draft i
+        label = [token if ok else IGNORE for token, ok in zip(anchor_labels, anchor_valid)] + [IGNORE]
+        counts.append(len(tree.accepted(lambda row: label[depths[row]])))
+    return torch.tensor(counts)
+
+
 def engine_walk(accepted: list[int]) -> list[int]:
     """The drafts the engine accepts at each verify step through one response at T=0.
 
@@ -87,6 +100,7 @@ def dflash_loss(
     gamma: float,
     generator: torch.Generator,
     teacher: torch.Tensor | None = None,  # [S, H]: the target's normed last hidden states (logit targets)
+    tree_nodes: int | None = None,  # evaluation: the drafts are each block's draft tree of this many nodes
 ) -> tuple[torch.Tensor, dict]:
     cfg = drafter.config
     length, size = tokens.shape[0], cfg.block_size
@@ -111,6 +125,8 @@ def dflash_loss(
     with torch.no_grad():
         correct = (logits.argmax(-1) == labels) & valid
         accepted = accepted_prefix(correct)  # per anchor; with every position as an anchor, engine_walk's input
+        if tree_nodes is not None:
+            accepted = tree_accepted(logits, labels, valid, tree_nodes)
         stats = {"accuracy": float(correct.float().sum() / valid.sum()), "tau": 1 + float(accepted.float().mean()),
                  "accepted": accepted.tolist()}
     return loss, stats

@@ -216,7 +216,8 @@ def tap_layers(cfg: TrainConfig, target: Transformer) -> tuple[int, ...]:
     return layers + (target.config.num_hidden_layers - 1,) if cfg.targets == "logits" else layers
 
 
-def sequence_loss(cfg: TrainConfig, drafter, target, head: DraftHead, record: dict, taps: torch.Tensor, generator):
+def sequence_loss(cfg: TrainConfig, drafter, target, head: DraftHead, record: dict, taps: torch.Tensor, generator,
+                  tree_nodes: int | None = None):
     tokens = torch.tensor(record["prompt_ids"] + record["response_ids"])
     start = len(record["prompt_ids"])
     taps, teacher = taps.float(), None
@@ -224,7 +225,8 @@ def sequence_loss(cfg: TrainConfig, drafter, target, head: DraftHead, record: di
         width = target.config.hidden_size
         taps, teacher = taps[:, :-width], target.norm(taps[:, -width:])
     if cfg.method == "dflash":
-        return dflash_loss(drafter, target, head, tokens, taps, start, cfg.anchors, cfg.decay_gamma, generator, teacher)
+        return dflash_loss(drafter, target, head, tokens, taps, start, cfg.anchors, cfg.decay_gamma, generator, teacher,
+                           tree_nodes)
     return eagle3_loss(drafter, target, head, tokens, taps, start, cfg.depth, teacher)
 
 
@@ -235,7 +237,8 @@ def has_drafts(record: dict) -> bool:
 
 
 @torch.no_grad()
-def evaluate(cfg: TrainConfig, drafter, target, head: DraftHead, sequences, taps, drafts: int | None = None) -> dict:
+def evaluate(cfg: TrainConfig, drafter, target, head: DraftHead, sequences, taps, drafts: int | None = None,
+             tree: bool = False) -> dict:
     """Held-out acceptance, teacher-forced after every response token (deterministic: comparable across steps).
 
     tau: the mean over those positions of 1 + the drafts accepted there. engine_tau: tokens per verify
@@ -243,6 +246,7 @@ def evaluate(cfg: TrainConfig, drafter, target, head: DraftHead, sequences, taps
     `specserve bench` measures on the same prompts; engine_per_position: how often that walk's steps
     accept draft 1, 2, .... Both in all and per category of prompt (chat, code, math). `drafts` caps
     the drafts per step (the engine's METHOD:K); by default a DFlash block's B-1, or EAGLE-3's depth.
+    `tree`: a DFlash block's drafts are its draft tree of `drafts` nodes (the engine's METHOD:treeK).
     """
     kept = [(record, features) for record, features in zip(sequences, taps) if has_drafts(record)]
     if not kept:
@@ -251,9 +255,10 @@ def evaluate(cfg: TrainConfig, drafter, target, head: DraftHead, sequences, taps
     drafter.eval()
     every_position = replace(cfg, anchors=EVERY_POSITION)
     generator = torch.Generator().manual_seed(1234)
-    results = [sequence_loss(every_position, drafter, target, head, r, t, generator) for r, t in zip(sequences, taps)]
-    drafter.train()
     drafts = drafts or most_drafts(cfg)
+    results = [sequence_loss(every_position, drafter, target, head, r, t, generator, drafts if tree else None)
+               for r, t in zip(sequences, taps)]
+    drafter.train()
     groups = {}
     for record, (loss, stats) in zip(sequences, results):
         accepted = [min(a, drafts) for a in stats["accepted"]]
@@ -294,7 +299,7 @@ def first_sequences(shards: list[tuple[Path, list[dict]]], count: int) -> tuple[
 
 
 def evaluate_drafter(method: str, folder: str, target: Transformer, eval_data: str, sequences: int,
-                     drafts: int | None = None, log=print) -> dict:
+                     drafts: int | None = None, tree: bool = False, log=print) -> dict:
     """`specserve eval-drafter`: a trained drafter's held-out acceptance (`evaluate`) on the first
     `sequences` of a distilled folder: what the engine would measure at T=0 on their prompts, from
     one teacher-forced pass per sequence instead of decoding them."""
@@ -304,9 +309,11 @@ def evaluate_drafter(method: str, folder: str, target: Transformer, eval_data: s
         raise DrafterError(f"--drafts must be >= 1, got {drafts}")
     drafter = (load_dflash if method == "dflash" else load_eagle3)(folder)
     check_matches_target(method, drafter.config, target.config)
+    if tree and method != "dflash":
+        raise DrafterError(f"a draft tree is built from a DFlash block's slots: method {method!r} drafts a chain")
     if method == "dflash":
         cfg = TrainConfig(method=method, data="", eval_data=eval_data, out="", block_size=drafter.config.block_size)
-        if drafts is not None and drafts > most_drafts(cfg):
+        if drafts is not None and drafts > most_drafts(cfg) and not tree:
             raise DrafterError(f"--drafts {drafts}: a DFlash block of {cfg.block_size} drafts 1 to {most_drafts(cfg)}")
     else:  # EAGLE-3 chains as many drafts as asked: unroll that many steps
         cfg = TrainConfig(method=method, data="", eval_data=eval_data, out="", depth=drafts or EAGLE3_DEFAULT_TOKENS)
@@ -315,8 +322,8 @@ def evaluate_drafter(method: str, folder: str, target: Transformer, eval_data: s
     # The layers this drafter reads (a drafter trained elsewhere may tap others than training's).
     taps = TargetFeatures(target, shards, tuple(drafter.config.target_layer_ids), log)
     head = DraftHead(target.lm_head.weight, draft_token_ids(drafter))
-    return {"sequences": len(records), "drafts": drafts,
-            **_rounded(evaluate(cfg, drafter, target, head, records, taps, drafts))}
+    return {"sequences": len(records), "drafts": drafts, "tree": tree,
+            **_rounded(evaluate(cfg, drafter, target, head, records, taps, drafts, tree))}
 
 
 def _rounded(value):
