@@ -30,6 +30,7 @@ SPECULATIVE = {
     "eagle3-bundled": ProposerOptions(),
     "dflash-bundled": ProposerOptions(),
     "dflash-bundled-7": ProposerOptions(num_speculative_tokens=7),
+    "dflash-bundled-tree8": ProposerOptions(num_speculative_tokens=8, draft_tree=True),
 }
 
 
@@ -56,9 +57,11 @@ def test_greedy_speculative_output_is_token_identical_to_ar(smollm2, engines, re
 
 
 def test_bundled_drafters_verify_their_measured_number_of_drafts(engines):
-    assert engines["dflash-bundled"].proposer.num_speculative_tokens == 3  # BUNDLED_SPECULATIVE_TOKENS
+    dflash = engines["dflash-bundled"].proposer  # BUNDLED_OPERATING_POINTS: a tree
+    assert (dflash.num_speculative_tokens, dflash.tree) == (4, True)
     assert engines["eagle3-bundled"].proposer.num_speculative_tokens == 3
-    assert engines["dflash-bundled-7"].proposer.num_speculative_tokens == 7  # the whole block on request
+    whole_block = engines["dflash-bundled-7"].proposer  # a count on request: a chain, the whole block
+    assert (whole_block.num_speculative_tokens, whole_block.tree) == (7, False)
 
 
 def test_short_answer_stops_at_eos_inside_a_block(smollm2, engines, reference):

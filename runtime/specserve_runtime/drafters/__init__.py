@@ -99,9 +99,18 @@ class ProposerOptions:
 # Drafters trained by the project for the default target (see each folder's CARD.md).
 BUNDLED = Path(__file__).parent / "weights"
 DEFAULT_DRAFTERS = {"dflash": BUNDLED / "smollm2-135m-instruct-dflash", "eagle3": BUNDLED / "smollm2-135m-instruct-eagle3"}
-# Drafts per step that measured fastest with the bundled drafters on a 2-core CPU (docs/benchmarks.md):
-# later slots are so rarely accepted that verifying them costs more than they return.
-BUNDLED_SPECULATIVE_TOKENS = {"dflash": 3, "eagle3": 3}
+
+
+@dataclass(frozen=True)
+class OperatingPoint:
+    num_speculative_tokens: int
+    draft_tree: bool = False
+
+
+# What measured fastest with the bundled drafters on a 2-core CPU (docs/benchmarks.md, "Draft trees"):
+# few drafts, because later slots are so rarely accepted that verifying them costs more than they
+# return; for DFlash a tree, whose second guesses for the first slots are accepted more often.
+BUNDLED_OPERATING_POINTS = {"dflash": OperatingPoint(4, draft_tree=True), "eagle3": OperatingPoint(3)}
 
 
 def drafter_source(method: str, options: "ProposerOptions") -> str:
@@ -114,9 +123,9 @@ def drafter_source(method: str, options: "ProposerOptions") -> str:
     return str(bundled)
 
 
-def bundled_speculative_tokens(method: str, options: "ProposerOptions") -> int | None:
+def bundled_operating_point(method: str, options: "ProposerOptions") -> OperatingPoint | None:
     """The measured operating point of a bundled drafter, unless the user chose a drafter or a count."""
-    return None if options.drafter else BUNDLED_SPECULATIVE_TOKENS[method]
+    return None if options.drafter or options.num_speculative_tokens else BUNDLED_OPERATING_POINTS[method]
 
 
 def check_layer_ids(layer_ids: tuple[int, ...], num_target_layers: int) -> None:

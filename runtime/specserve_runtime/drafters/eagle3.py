@@ -19,7 +19,7 @@ from . import (
     DrafterError,
     ModelProposer,
     ProposerOptions,
-    bundled_speculative_tokens,
+    bundled_operating_point,
     check_layer_ids,
     check_matches_target,
     checkpoint,
@@ -201,5 +201,6 @@ def build_eagle3(target: Transformer, options: ProposerOptions) -> Eagle3Propose
         drafter = load_eagle3(source)
     check_matches_target("eagle3", drafter.config, target.config)
     fuse_projections(drafter)
-    num_tokens = options.num_speculative_tokens or bundled_speculative_tokens("eagle3", options) or DEFAULT_TOKENS
+    point = bundled_operating_point("eagle3", options)
+    num_tokens = point.num_speculative_tokens if point else options.num_speculative_tokens or DEFAULT_TOKENS
     return Eagle3Proposer(target, drafter, num_tokens)
