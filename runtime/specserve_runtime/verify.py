@@ -81,7 +81,8 @@ def position_uniforms(seed: int, first_position: int, count: int) -> torch.Tenso
 
     Each is a function of (seed, position) alone: however many tokens a step verifies (speculation,
     any draft length, or none), the token at position p is drawn with the same number, so a seeded
-    sampled request gives the same text with every method, draft length and batch.
+    sampled request gives the same text with every method, draft length and batch (up to float
+    rounding at the edge between two tokens; see accept).
     """
     return torch.tensor([
         torch.rand((), dtype=torch.float64, generator=torch.Generator().manual_seed(_mix(seed, position))).item()
@@ -125,7 +126,9 @@ def accept(drafts: DraftTree, logits: torch.Tensor, params: SamplingParams,
     stops. So every committed token is the target's choice given exactly the tokens before it,
     whatever the drafts were: greedy output is identical to plain decoding, and sampled output is
     distributed exactly as the target's (rejection sampling with one-hot drafts); with
-    position_uniforms, a seeded sample is even the same token plain decoding draws.
+    position_uniforms, a seeded sample is even the same token plain decoding draws, unless its
+    uniform number falls within float rounding (about 1e-6) of the edge between two tokens: a
+    verify forward's logits differ from a one-token decode's in their last bits.
     """
     depths = [0] + drafts.depths  # of each row
     row_uniforms = None if uniforms is None else uniforms[depths]
