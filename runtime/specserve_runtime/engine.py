@@ -165,8 +165,7 @@ class Engine:
         work: list[tuple[Sequence, Segment, DraftTree | None]] = []  # (sequence, its new tokens, drafts)
         proposals = propose_all(self.proposer, [(s.proposer, s.tokens, self._draft_limit(s, length)) for s in decoding],
                                 self.batch_drafts)
-        for sequence, proposal in zip(decoding, proposals):  # running sequences first: verify [last token, drafts...]
-            drafts = proposal if isinstance(proposal, DraftTree) else DraftTree.chain(proposal)
+        for sequence, drafts in zip(decoding, proposals):  # running sequences first: verify [last token, drafts...]
             # The last committed token is the tree's root: its row of logits verifies the first drafts.
             parents = None if drafts.is_chain else [-1] + [parent + 1 for parent in drafts.parents]
             new_tokens = torch.tensor(sequence.tokens[-1:] + drafts.tokens)

@@ -40,13 +40,16 @@ class Proposer(Protocol):
 
 
 def propose_all(prototype: Proposer, work: list[tuple[Proposer, list[int], int]], batched: bool = True
-                ) -> list[list[int] | DraftTree]:
-    """Every sequence's drafts for one step: batched where the method can (propose_batch on the
-    engine's proposer, whose weights all the copies share), else one propose() per sequence."""
+                ) -> list[DraftTree]:
+    """Every sequence's drafts for one step, as trees (a chain is one): batched where the method can
+    (propose_batch on the engine's proposer, whose weights all the copies share), else one
+    propose() per sequence."""
     propose_batch = getattr(prototype, "propose_batch", None)
     if batched and propose_batch is not None:
-        return propose_batch(work)
-    return [proposer.propose(tokens, max_drafts) for proposer, tokens, max_drafts in work]
+        proposals = propose_batch(work)
+    else:
+        proposals = [proposer.propose(tokens, max_drafts) for proposer, tokens, max_drafts in work]
+    return [drafts if isinstance(drafts, DraftTree) else DraftTree.chain(drafts) for drafts in proposals]
 
 
 class ModelProposer:
