@@ -135,7 +135,7 @@ def method_spec(name: str) -> tuple[str, ProposerOptions]:
     if "@" in name and not folder:
         raise ValueError(f"{name!r}: a drafter folder follows '@'")
     return method, ProposerOptions(drafter=folder or None, num_speculative_tokens=int(tokens) if tokens else None,
-                                   draft_tree=tree)
+                                   draft_tree=True if tree else None)
 
 
 def run_bench(model: LoadedModel, methods: list[str], baselines: list[Baseline], prompts: list[dict],

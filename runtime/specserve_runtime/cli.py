@@ -17,6 +17,8 @@ EVAL_DATA_HELP = ("distilled held-out data (default: set v2's held-out split, ru
                   "in a source checkout)")
 DRAFT_TREE_HELP = ("dflash: verify the block's most likely prefixes, a tree of --num-speculative-tokens drafts, "
                    "instead of its top token per slot")
+OPERATING_POINT_HELP = (DRAFT_TREE_HELP + "; --no-draft-tree: a chain (default: the drafter's recorded operating "
+                        "point without --num-speculative-tokens, a chain with it)")
 
 
 class UsageError(Exception):
@@ -475,7 +477,7 @@ def build_parser() -> Parser:
     gen.add_argument("--drafter", help="drafter checkpoint folder, or 'random' for a seeded random drafter")
     gen.add_argument("--block-size", type=int, help="dflash: tokens per drafted block (last token + B-1 masks)")
     gen.add_argument("--num-speculative-tokens", type=int, help="draft tokens per step")
-    gen.add_argument("--draft-tree", action="store_true", help=DRAFT_TREE_HELP)
+    gen.add_argument("--draft-tree", action=argparse.BooleanOptionalAction, help=OPERATING_POINT_HELP)
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one user message")
     source.add_argument("--prompts-file", help='JSONL file, one object with a "prompt" field per line')
@@ -491,7 +493,7 @@ def build_parser() -> Parser:
     serve.add_argument("--method", default="dflash", choices=("none",) + METHODS)
     serve.add_argument("--drafter", help="drafter checkpoint folder, or 'random'")
     serve.add_argument("--num-speculative-tokens", type=int)
-    serve.add_argument("--draft-tree", action="store_true", help=DRAFT_TREE_HELP)
+    serve.add_argument("--draft-tree", action=argparse.BooleanOptionalAction, help=OPERATING_POINT_HELP)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", help="the OpenAI model name clients send (default: the model's name)")

@@ -5,10 +5,11 @@ For `engine: vllm` the command line is derived from the configuration as an argu
 """
 
 import json
+from pathlib import Path
 
 from .config import RuntimeConfig
 
-DEFAULT_SPECULATIVE_TOKENS = {"ngram": 4, "eagle3": 3, "dflash": 15}
+DEFAULT_SPECULATIVE_TOKENS = {"ngram": 4, "eagle3": 3, "dflash": 15}  # dflash: a block of 16, z-lab's
 
 
 def model_reference(uri_or_id: str) -> str:
@@ -21,10 +22,23 @@ def model_reference(uri_or_id: str) -> str:
     return uri_or_id
 
 
+def default_speculative_tokens(config: RuntimeConfig) -> int:
+    """vLLM drafts a DFlash block whole: block size - 1 drafts. A local drafter folder (such as the
+    images' bundled ones, blocks of 8) says its block size in its config.json."""
+    local = config.method == "dflash" and config.drafter and "://" not in config.drafter
+    config_file = Path(config.drafter) / "config.json" if local else None
+    if not (config_file and config_file.is_file()):
+        return DEFAULT_SPECULATIVE_TOKENS[config.method]
+    try:
+        return int(json.loads(config_file.read_text())["block_size"]) - 1
+    except (ValueError, KeyError, TypeError):  # invalid JSON, no block_size, not a number
+        raise ValueError(f"{config_file}: no DFlash block_size, a number (is it a DFlash drafter?)") from None
+
+
 def speculative_config(config: RuntimeConfig) -> dict | None:
     if config.method == "none":
         return None
-    tokens = config.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS[config.method]
+    tokens = config.num_speculative_tokens or default_speculative_tokens(config)
     if config.method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": tokens, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     if not config.drafter:

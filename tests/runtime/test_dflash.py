@@ -1,4 +1,5 @@
-"""DFlash drafter: layer-id formula, z-lab checkpoint layout, speculators (vLLM) export, context caching."""
+"""DFlash drafter: layer-id formula, z-lab checkpoint layout, speculators (vLLM) export, context caching,
+draft trees, the operating point a checkpoint records."""
 
 import itertools
 import json
@@ -17,6 +18,7 @@ from specserve_runtime.drafters.dflash import (
     draft_tree,
     target_layer_ids,
 )
+from specserve_runtime.drafters.eagle3 import Eagle3Config, Eagle3Drafter, save_eagle3
 from specserve_runtime.model import load_target
 
 from .conftest import save_tiny_hf_model
@@ -264,6 +266,41 @@ def test_draft_tree_holds_the_most_likely_prefixes_of_the_block(num_nodes):
     assert sorted(prefixes) == sorted(best)
 
 
-def test_a_draft_tree_is_for_dflash_only(tiny_llama):
+def test_a_draft_tree_is_for_dflash_only(tmp_path, tiny_llama):
     with pytest.raises(DrafterError, match="draft tree is built from a DFlash block"):
         build_proposer("eagle3", tiny_llama, ProposerOptions("random", 3, draft_tree=True))
+    save_eagle3(Eagle3Drafter(Eagle3Config.for_target(tiny_llama.config)), tmp_path)
+    record_operating_point(tmp_path, {"num_speculative_tokens": 3, "draft_tree": True})
+    with pytest.raises(DrafterError, match=rf"drafter {tmp_path}: .*draft tree is built from a DFlash block"):
+        build_proposer("eagle3", tiny_llama, ProposerOptions(str(tmp_path)))
+
+
+def record_operating_point(folder, point):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "specserve_operating_point": point}))
+
+
+def test_a_drafter_runs_at_the_operating_point_its_config_records_unless_asked_for_a_count(tmp_path, tiny_llama):
+    save_dflash(tiny_drafter(tiny_llama), tmp_path)
+    unrecorded = build_proposer("dflash", tiny_llama, ProposerOptions(str(tmp_path)))
+    assert (unrecorded.num_speculative_tokens, unrecorded.tree) == (7, False)  # the whole block, a chain
+    record_operating_point(tmp_path, {"num_speculative_tokens": 4, "draft_tree": True})
+    recorded = build_proposer("dflash", tiny_llama, ProposerOptions(str(tmp_path)))
+    assert (recorded.num_speculative_tokens, recorded.tree) == (4, True)
+    chain = build_proposer("dflash", tiny_llama, ProposerOptions(str(tmp_path), draft_tree=False))
+    assert (chain.num_speculative_tokens, chain.tree) == (4, False)  # the recorded count, as a chain
+    counted = build_proposer("dflash", tiny_llama, ProposerOptions(str(tmp_path), 2))
+    assert (counted.num_speculative_tokens, counted.tree) == (2, False)
+    counted_tree = build_proposer("dflash", tiny_llama, ProposerOptions(str(tmp_path), 6, draft_tree=True))
+    assert (counted_tree.num_speculative_tokens, counted_tree.tree) == (6, True)
+
+
+@pytest.mark.parametrize("point", [
+    {"num_speculative_tokens": 0}, {"num_speculative_tokens": True}, {"num_speculative_tokens": "4"},
+    {"draft_tree": True}, {"num_speculative_tokens": 4, "draft_tree": 1}, {"num_speculative_tokens": 4, "trees": 2}, [4],
+])
+def test_a_malformed_recorded_operating_point_is_refused_with_the_file_named(tmp_path, tiny_llama, point):
+    save_dflash(tiny_drafter(tiny_llama), tmp_path)
+    record_operating_point(tmp_path, point)
+    with pytest.raises(DrafterError, match=rf"drafter {tmp_path}: config.json's specserve_operating_point must be"):
+        build_proposer("dflash", tiny_llama, ProposerOptions(str(tmp_path)))

@@ -18,7 +18,8 @@ import pytest
 
 from specserve_runtime.config import RuntimeConfig
 from specserve_runtime.engine import Request
-from specserve_runtime.launch import vllm_command
+from specserve_runtime.drafters import DEFAULT_DRAFTERS
+from specserve_runtime.launch import speculative_config, vllm_command
 from specserve_runtime.loader import build_engine
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -564,6 +565,17 @@ def test_vllm_command_lines(method, drafter, tokens, expected):
         assert "--speculative-config" not in command
     else:
         assert json.loads(command[command.index("--speculative-config") + 1]) == expected
+
+
+def test_vllm_drafts_a_local_dflash_drafters_whole_block_by_default(tmp_path):
+    """The runtime images' bundled DFlash drafter has blocks of 8, not z-lab's 16: 7 drafts a step."""
+    bundled = RuntimeConfig(model="m", served_name="m", method="dflash", drafter=str(DEFAULT_DRAFTERS["dflash"]),
+                            engine="vllm")
+    assert speculative_config(bundled)["num_speculative_tokens"] == 7
+    assert speculative_config(bundled.model_copy(update={"num_speculative_tokens": 3}))["num_speculative_tokens"] == 3
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=f"{tmp_path}/config.json: no DFlash block_size"):
+        speculative_config(bundled.model_copy(update={"drafter": str(tmp_path)}))
 
 
 def test_launch_dry_run_prints_the_exact_command(tmp_path):

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from specserve_runtime.drafters import ProposerOptions
+from specserve_runtime.config import BUNDLED_DRAFTERS_DIR
+from specserve_runtime.drafters import DEFAULT_DRAFTERS, ProposerOptions, build_proposer
 from specserve_runtime.engine import Request
 from specserve_runtime.loader import build_engine
 from specserve_runtime.verify import SamplingParams
@@ -57,12 +58,21 @@ def test_greedy_speculative_output_is_token_identical_to_ar(smollm2, engines, re
 
 
 def test_bundled_drafters_verify_their_measured_number_of_drafts(engines):
-    dflash = engines["dflash-bundled"].proposer  # BUNDLED_OPERATING_POINTS: a tree
+    dflash = engines["dflash-bundled"].proposer  # config.json's specserve_operating_point: a tree
     assert (dflash.num_speculative_tokens, dflash.tree) == (4, True)
     assert engines["eagle3-bundled"].proposer.num_speculative_tokens == 3
     whole_block = engines["dflash-bundled-7"].proposer  # a count on request: a chain, the whole block
     assert (whole_block.num_speculative_tokens, whole_block.tree) == (7, False)
 
+
+
+def test_a_bundled_drafter_given_by_path_runs_at_its_operating_point_too(smollm2, tmp_path):
+    """The operator renders `draftModel: bundled://NAME` as the runtime image's copy of the folder
+    (BUNDLED_DRAFTERS_DIR/NAME), a --drafter path: the operating point travels in its config.json."""
+    for method, point in [("dflash", (4, True)), ("eagle3", (3, False))]:
+        image_copy = shutil.copytree(DEFAULT_DRAFTERS[method], tmp_path / BUNDLED_DRAFTERS_DIR.lstrip("/") / method)
+        proposer = build_proposer(method, smollm2.target, ProposerOptions(str(image_copy)))
+        assert (proposer.num_speculative_tokens, getattr(proposer, "tree", False)) == point
 
 def test_short_answer_stops_at_eos_inside_a_block(smollm2, engines, reference):
     """The short answer ends with <|im_end|> well before max tokens, inside a drafted block."""

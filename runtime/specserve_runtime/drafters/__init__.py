@@ -96,9 +96,12 @@ class ProposerOptions:
     num_speculative_tokens: int | None = None  # drafts per step (dflash: block size - 1)
     mask_token_id: int | None = None  # dflash with a random drafter: the mask token to record
     seed: int = 0
-    draft_tree: bool = False  # dflash: the drafts are the block's most likely prefixes, a tree, not a chain
+    # dflash: the drafts are the block's most likely prefixes, a tree, not a chain; None: as the
+    # drafter's operating point has it when no count is given, else a chain
+    draft_tree: bool | None = None
 
 
+CHAIN_ONLY = "a draft tree is built from a DFlash block's slots: method {method!r} drafts a chain"
 # Drafters trained by the project for the default target (see each folder's CARD.md).
 BUNDLED = Path(__file__).parent / "weights"
 DEFAULT_DRAFTERS = {"dflash": BUNDLED / "smollm2-135m-instruct-dflash", "eagle3": BUNDLED / "smollm2-135m-instruct-eagle3"}
@@ -106,14 +109,12 @@ DEFAULT_DRAFTERS = {"dflash": BUNDLED / "smollm2-135m-instruct-dflash", "eagle3"
 
 @dataclass(frozen=True)
 class OperatingPoint:
+    """What measured fastest with a trained drafter (docs/benchmarks.md): the engine's default for it.
+    Recorded in the drafter's config.json (checkpoint.operating_point), so it travels with the
+    weights: to the runtime images' bundled://NAME folders as well as to `--drafter PATH`."""
+
     num_speculative_tokens: int
     draft_tree: bool = False
-
-
-# What measured fastest with the bundled drafters on a 2-core CPU (docs/benchmarks.md, "Draft trees"):
-# few drafts, because later slots are so rarely accepted that verifying them costs more than they
-# return; for DFlash a tree, whose second guesses for the first slots are accepted more often.
-BUNDLED_OPERATING_POINTS = {"dflash": OperatingPoint(4, draft_tree=True), "eagle3": OperatingPoint(3)}
 
 
 def drafter_source(method: str, options: "ProposerOptions") -> str:
@@ -124,11 +125,6 @@ def drafter_source(method: str, options: "ProposerOptions") -> str:
     if not (bundled / "config.json").is_file():
         raise DrafterError(f"no trained {method} drafter is bundled: pass --drafter PATH or --drafter random")
     return str(bundled)
-
-
-def bundled_operating_point(method: str, options: "ProposerOptions") -> OperatingPoint | None:
-    """The measured operating point of a bundled drafter, unless the user chose a drafter or a count."""
-    return None if options.drafter or options.num_speculative_tokens else BUNDLED_OPERATING_POINTS[method]
 
 
 def check_layer_ids(layer_ids: tuple[int, ...], num_target_layers: int) -> None:
@@ -189,5 +185,5 @@ def build_proposer(method: str, target: Transformer, options: ProposerOptions = 
     if options.num_speculative_tokens is not None and options.num_speculative_tokens < 1:
         raise DrafterError(f"num_speculative_tokens must be >= 1, got {options.num_speculative_tokens}")
     if options.draft_tree and method != "dflash":
-        raise DrafterError(f"a draft tree is built from a DFlash block's slots: method {method!r} drafts a chain")
+        raise DrafterError(CHAIN_ONLY.format(method=method))
     return PROPOSERS[method](target, options)

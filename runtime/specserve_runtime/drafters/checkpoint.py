@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..model import load_state_dict
-from . import DrafterError
+from . import CHAIN_ONLY, DrafterError, OperatingPoint, ProposerOptions
 
 
 def read_config(folder: str | Path) -> dict:
@@ -20,6 +20,30 @@ def read_config(folder: str | Path) -> dict:
         return json.loads(config_file.read_text())
     except json.JSONDecodeError as exc:
         raise DrafterError(f"drafter {config_file}: invalid JSON ({exc})") from exc
+
+
+OPERATING_POINT_KEY = "specserve_operating_point"
+
+
+def operating_point(method: str, folder: str, options: ProposerOptions) -> OperatingPoint | None:
+    """The operating point a drafter's config.json records, e.g. "specserve_operating_point":
+    {"num_speculative_tokens": 4, "draft_tree": true}; None when it records none, when the user
+    chose a count (a count alone asks for a chain) or for a random drafter."""
+    if options.num_speculative_tokens or folder == "random":
+        return None
+    recorded = read_config(folder).get(OPERATING_POINT_KEY)
+    if recorded is None:
+        return None
+    fields = recorded if isinstance(recorded, dict) else {}
+    count, tree = fields.get("num_speculative_tokens"), fields.get("draft_tree", False)
+    # type() is: JSON true is not a count, nor 1 a flag.
+    if not fields or set(fields) - {"num_speculative_tokens", "draft_tree"} or type(count) is not int or count < 1 \
+            or type(tree) is not bool:
+        raise DrafterError(f"drafter {folder}: config.json's {OPERATING_POINT_KEY} must be "
+                           f'{{"num_speculative_tokens": K >= 1, "draft_tree": true|false}}, got {json.dumps(recorded)}')
+    if tree and method != "dflash":
+        raise DrafterError(f"drafter {folder}: config.json's {OPERATING_POINT_KEY}: " + CHAIN_ONLY.format(method=method))
+    return OperatingPoint(count, tree)
 
 
 def load_weights(module: nn.Module, folder: str | Path) -> None:

@@ -26,7 +26,6 @@ from . import (
     DrafterError,
     ModelProposer,
     ProposerOptions,
-    bundled_operating_point,
     check_layer_ids,
     check_matches_target,
     checkpoint,
@@ -367,9 +366,9 @@ def build_dflash(target: Transformer, options: ProposerOptions) -> DFlashPropose
     check_matches_target("dflash", drafter.config, target.config)
     fuse_projections(drafter)
     max_drafts = drafter.config.block_size - 1
-    point = bundled_operating_point("dflash", options)
+    point = checkpoint.operating_point("dflash", source, options)
     num_tokens = point.num_speculative_tokens if point else options.num_speculative_tokens or max_drafts
-    tree = options.draft_tree or (point is not None and point.draft_tree)
+    tree = options.draft_tree if options.draft_tree is not None else point is not None and point.draft_tree
     if num_tokens > max_drafts and not tree:  # a tree's drafts spread over the block's slots
         raise DrafterError(f"num_speculative_tokens {num_tokens} exceeds the drafter's block size - 1 ({max_drafts})")
     return DFlashProposer(target, drafter, num_tokens, tree)

@@ -19,7 +19,6 @@ from . import (
     DrafterError,
     ModelProposer,
     ProposerOptions,
-    bundled_operating_point,
     check_layer_ids,
     check_matches_target,
     checkpoint,
@@ -201,6 +200,6 @@ def build_eagle3(target: Transformer, options: ProposerOptions) -> Eagle3Propose
         drafter = load_eagle3(source)
     check_matches_target("eagle3", drafter.config, target.config)
     fuse_projections(drafter)
-    point = bundled_operating_point("eagle3", options)
+    point = checkpoint.operating_point("eagle3", source, options)
     num_tokens = point.num_speculative_tokens if point else options.num_speculative_tokens or DEFAULT_TOKENS
     return Eagle3Proposer(target, drafter, num_tokens)
