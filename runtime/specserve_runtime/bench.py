@@ -124,7 +124,7 @@ def _median_run(run, repeats: int):
 
 def method_spec(name: str) -> tuple[str, ProposerOptions]:
     """'dflash', 'dflash:3' for 3 speculative tokens per step, 'dflash:tree5' for a tree of 5 drafts
-    (the block's most likely prefixes), 'dflash@FOLDER' or 'dflash:3@FOLDER' for a drafter other
+    (the drafter's most likely continuations; eagle3 too), 'dflash@FOLDER' or 'dflash:3@FOLDER' for a drafter other
     than the bundled one (a training run's drafter/) -> the method and its proposer options."""
     spec, _, folder = name.partition("@")
     method, _, tokens = spec.partition(":")

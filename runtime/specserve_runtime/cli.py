@@ -15,8 +15,8 @@ COMMITTED_DATA = Path(__file__).resolve().parents[1] / "data"
 DEFAULT_TRAIN_DATA, DEFAULT_EVAL_DATA = COMMITTED_DATA / "distill-v2", COMMITTED_DATA / "distill-v2-eval"
 EVAL_DATA_HELP = ("distilled held-out data (default: set v2's held-out split, runtime/data/distill-v2-eval "
                   "in a source checkout)")
-DRAFT_TREE_HELP = ("dflash: verify the block's most likely prefixes, a tree of --num-speculative-tokens drafts, "
-                   "instead of its top token per slot")
+DRAFT_TREE_HELP = ("dflash, eagle3: verify a tree of the drafter's most likely continuations, --num-speculative-tokens "
+                   "drafts in all, instead of a chain of its top guesses")
 OPERATING_POINT_HELP = (DRAFT_TREE_HELP + "; --no-draft-tree: a chain (default: the drafter's recorded operating "
                         "point without --num-speculative-tokens, a chain with it)")
 
@@ -609,8 +609,8 @@ def build_parser() -> Parser:
     evaluator.add_argument("--eval-sequences", type=int, default=256, help="the first N sequences (default 256)")
     evaluator.add_argument("--drafts", type=int, help="drafts per step, as the engine's METHOD:K (default: DFlash's "
                            "block size - 1, EAGLE-3's 4)")
-    evaluator.add_argument("--draft-tree", action="store_true", help=DRAFT_TREE_HELP.replace("--num-speculative-tokens",
-                                                                                            "--drafts"))
+    evaluator.add_argument("--draft-tree", action="store_true", help="dflash: a tree of the block's most likely "
+                           "prefixes, --drafts in all (EAGLE-3's trees: `bench --methods eagle3:treeK`)")
     evaluator.set_defaults(run=cmd_eval_drafter)
 
     sweeper = commands.add_parser("sweep-drafter", help="short DFlash runs varying block size and draft layers (resumable)")

@@ -15,6 +15,7 @@ PROPOSERS = {
     "ar": None,
     "ngram": ProposerOptions(num_speculative_tokens=4),
     "eagle3": ProposerOptions("random", 3, seed=1),
+    "eagle3-tree": ProposerOptions("random", 4, seed=1, draft_tree=True),
     "dflash": ProposerOptions("random", 5, mask_token_id=95, seed=2),
     "dflash-tree": ProposerOptions("random", 5, mask_token_id=95, seed=2, draft_tree=True),
 }
@@ -78,7 +79,7 @@ def test_each_sequence_of_a_batch_decodes_exactly_as_it_would_alone(tiny_llama, 
         assert sum(result.num_accepted_tokens for result in together) > 0  # verify blocks were really batched
 
 
-@pytest.mark.parametrize("method", ["ngram", "eagle3", "dflash", "dflash-tree"])
+@pytest.mark.parametrize("method", ["ngram", "eagle3", "eagle3-tree", "dflash", "dflash-tree"])
 def test_a_seeded_sample_is_the_same_text_with_and_without_speculation(tiny_llama, method):
     """Every position's token is drawn with a number fixed by (seed, position), so speculation, like
     batching, changes nothing of a seeded sampled request, not just its distribution."""
@@ -153,10 +154,10 @@ def test_the_token_budget_must_be_positive(tiny_llama):
         Engine(tiny_llama, ByteTokenizer(), NoDraft(), set(), token_budget=0)
 
 
-@pytest.mark.parametrize("method, rows", [("dflash", [4 * 6]), ("eagle3", [None, 4, 4])])
+@pytest.mark.parametrize("method, rows", [("dflash", [4 * 6]), ("eagle3", [None, 4, 4]), ("eagle3-tree", [None, 4, 4, 4])])
 def test_a_model_drafter_drafts_for_the_whole_batch_in_one_forward_per_pass(tiny_llama, method, rows):
     """DFlash: one forward over the four sequences' blocks (block size 6); EAGLE-3: one forward per
-    draft position (3) for all four, whatever the batch size."""
+    draft after the first (3 drafts; a tree of 4) for all four, whatever the batch size."""
     engine = build(tiny_llama, method)
     batch = [engine.add(Request(list(range(5 + i, 12 + 2 * i)), 20)) for i in range(4)]
     engine.step(batch)  # the prompts

@@ -18,7 +18,6 @@ from specserve_runtime.drafters.dflash import (
     draft_tree,
     target_layer_ids,
 )
-from specserve_runtime.drafters.eagle3 import Eagle3Config, Eagle3Drafter, save_eagle3
 from specserve_runtime.model import load_target
 
 from .conftest import save_tiny_hf_model
@@ -266,13 +265,9 @@ def test_draft_tree_holds_the_most_likely_prefixes_of_the_block(num_nodes):
     assert sorted(prefixes) == sorted(best)
 
 
-def test_a_draft_tree_is_for_dflash_only(tmp_path, tiny_llama):
-    with pytest.raises(DrafterError, match="draft tree is built from a DFlash block"):
-        build_proposer("eagle3", tiny_llama, ProposerOptions("random", 3, draft_tree=True))
-    save_eagle3(Eagle3Drafter(Eagle3Config.for_target(tiny_llama.config)), tmp_path)
-    record_operating_point(tmp_path, {"num_speculative_tokens": 3, "draft_tree": True})
-    with pytest.raises(DrafterError, match=rf"drafter {tmp_path}: .*draft tree is built from a DFlash block"):
-        build_proposer("eagle3", tiny_llama, ProposerOptions(str(tmp_path)))
+def test_a_draft_tree_needs_a_drafter_model(tiny_llama):
+    with pytest.raises(DrafterError, match="a draft tree needs a drafter model"):
+        build_proposer("ngram", tiny_llama, ProposerOptions(num_speculative_tokens=3, draft_tree=True))
 
 
 def record_operating_point(folder, point):

@@ -159,7 +159,7 @@ def test_stop_string_ends_generation_without_emitting_text_past_it(tiny_llama):
     assert len(result.token_ids) < len(free_run)
 
 
-@pytest.mark.parametrize("method", ["ngram", "eagle3", "dflash", "dflash-tree"])
+@pytest.mark.parametrize("method", ["ngram", "eagle3", "eagle3-tree", "dflash", "dflash-tree"])
 def test_random_drafters_are_lossless_on_a_tiny_target(tiny_llama, method):
     method, _, tree = method.partition("-")
     options = ProposerOptions("random", 3 if method != "dflash" else 5, mask_token_id=95, seed=1, draft_tree=bool(tree))
@@ -207,7 +207,7 @@ class ArgmaxProposer(OracleProposer):
         return drafts
 
 
-@pytest.mark.parametrize("proposer_name", ["argmax", "dflash", "dflash-tree"])
+@pytest.mark.parametrize("proposer_name", ["argmax", "dflash", "dflash-tree", "eagle3-tree"])
 def test_speculative_sampling_follows_the_target_distribution(tiny_llama, proposer_name):
     params = SamplingParams(temperature=0.8)
     prompt = PROMPT[:4]
@@ -215,8 +215,9 @@ def test_speculative_sampling_follows_the_target_distribution(tiny_llama, propos
     if proposer_name == "argmax":
         proposer = ArgmaxProposer(tiny_llama)
     else:
-        options = ProposerOptions("random", 3, mask_token_id=95, seed=0, draft_tree=proposer_name == "dflash-tree")
-        proposer = build_proposer("dflash", tiny_llama, options)
+        method, _, tree = proposer_name.partition("-")
+        options = ProposerOptions("random", 3, mask_token_id=95, seed=0, draft_tree=bool(tree))
+        proposer = build_proposer(method, tiny_llama, options)
     spec = engine(tiny_llama, proposer)
     counts = torch.zeros_like(joint)
     accepted = 0

@@ -477,7 +477,7 @@ def test_eval_drafter_evaluates_a_saved_drafter_on_the_features_it_reads(tiny_ll
         assert tree["tree"] and tree["drafts"] == 5 and 1 <= tree["engine_tau"] <= 1 + most
         assert tree["engine_per_position"][most:] == [0, 0]  # no branch is deeper than the block
     else:
-        with pytest.raises(DrafterError, match="draft tree is built from a DFlash block"):
+        with pytest.raises(DrafterError, match="eval-drafter measures DFlash's trees only"):
             evaluate_drafter(method, str(tmp_path / "drafter"), tiny_llama, eval_data, 2, 5, True, lambda message: None)
 
 

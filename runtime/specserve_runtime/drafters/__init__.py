@@ -101,7 +101,6 @@ class ProposerOptions:
     draft_tree: bool | None = None
 
 
-CHAIN_ONLY = "a draft tree is built from a DFlash block's slots: method {method!r} drafts a chain"
 # Drafters trained by the project for the default target (see each folder's CARD.md).
 BUNDLED = Path(__file__).parent / "weights"
 DEFAULT_DRAFTERS = {"dflash": BUNDLED / "smollm2-135m-instruct-dflash", "eagle3": BUNDLED / "smollm2-135m-instruct-eagle3"}
@@ -184,6 +183,6 @@ def build_proposer(method: str, target: Transformer, options: ProposerOptions = 
         raise DrafterError(f"unknown method {method!r}; choose one of {', '.join(PROPOSERS)}")
     if options.num_speculative_tokens is not None and options.num_speculative_tokens < 1:
         raise DrafterError(f"num_speculative_tokens must be >= 1, got {options.num_speculative_tokens}")
-    if options.draft_tree and method != "dflash":
-        raise DrafterError(CHAIN_ONLY.format(method=method))
+    if options.draft_tree and method not in ("dflash", "eagle3"):
+        raise DrafterError(f"a draft tree needs a drafter model (dflash, eagle3): method {method!r} drafts a chain")
     return PROPOSERS[method](target, options)

@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..model import load_state_dict
-from . import CHAIN_ONLY, DrafterError, OperatingPoint, ProposerOptions
+from . import DrafterError, OperatingPoint, ProposerOptions
 
 
 def read_config(folder: str | Path) -> dict:
@@ -25,12 +25,9 @@ def read_config(folder: str | Path) -> dict:
 OPERATING_POINT_KEY = "specserve_operating_point"
 
 
-def operating_point(method: str, folder: str, options: ProposerOptions) -> OperatingPoint | None:
+def recorded_operating_point(folder: str) -> OperatingPoint | None:
     """The operating point a drafter's config.json records, e.g. "specserve_operating_point":
-    {"num_speculative_tokens": 4, "draft_tree": true}; None when it records none, when the user
-    chose a count (a count alone asks for a chain) or for a random drafter."""
-    if options.num_speculative_tokens or folder == "random":
-        return None
+    {"num_speculative_tokens": 4, "draft_tree": true}, if it records one."""
     recorded = read_config(folder).get(OPERATING_POINT_KEY)
     if recorded is None:
         return None
@@ -41,8 +38,15 @@ def operating_point(method: str, folder: str, options: ProposerOptions) -> Opera
             or type(tree) is not bool:
         raise DrafterError(f"drafter {folder}: config.json's {OPERATING_POINT_KEY} must be "
                            f'{{"num_speculative_tokens": K >= 1, "draft_tree": true|false}}, got {json.dumps(recorded)}')
-    if tree and method != "dflash":
-        raise DrafterError(f"drafter {folder}: config.json's {OPERATING_POINT_KEY}: " + CHAIN_ONLY.format(method=method))
+    return OperatingPoint(count, tree)
+
+
+def operating_point(folder: str, options: ProposerOptions, default_count: int) -> OperatingPoint:
+    """What a proposer runs: the user's count and tree where given; without a count, what the
+    drafter records (a count alone asks for a chain); else `default_count` drafts as a chain."""
+    recorded = None if options.num_speculative_tokens or folder == "random" else recorded_operating_point(folder)
+    count = options.num_speculative_tokens or (recorded.num_speculative_tokens if recorded else default_count)
+    tree = options.draft_tree if options.draft_tree is not None else recorded is not None and recorded.draft_tree
     return OperatingPoint(count, tree)
 
 

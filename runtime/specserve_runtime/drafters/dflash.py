@@ -366,9 +366,7 @@ def build_dflash(target: Transformer, options: ProposerOptions) -> DFlashPropose
     check_matches_target("dflash", drafter.config, target.config)
     fuse_projections(drafter)
     max_drafts = drafter.config.block_size - 1
-    point = checkpoint.operating_point("dflash", source, options)
-    num_tokens = point.num_speculative_tokens if point else options.num_speculative_tokens or max_drafts
-    tree = options.draft_tree if options.draft_tree is not None else point is not None and point.draft_tree
-    if num_tokens > max_drafts and not tree:  # a tree's drafts spread over the block's slots
-        raise DrafterError(f"num_speculative_tokens {num_tokens} exceeds the drafter's block size - 1 ({max_drafts})")
-    return DFlashProposer(target, drafter, num_tokens, tree)
+    point = checkpoint.operating_point(source, options, max_drafts)
+    if point.num_speculative_tokens > max_drafts and not point.draft_tree:  # a tree's drafts spread over the block's slots
+        raise DrafterError(f"num_speculative_tokens {point.num_speculative_tokens} exceeds the drafter's block size - 1 ({max_drafts})")
+    return DFlashProposer(target, drafter, point.num_speculative_tokens, point.draft_tree)

@@ -2,10 +2,13 @@
 
 Position j of the drafter pairs the embedding of token j+1 with the target's feature at token j
 and predicts token j+2. Past the committed tokens the drafter has no target feature, so it feeds
-its own output hidden state instead and drafts k tokens one after another. The target's
-embedding and LM head are shared and frozen.
+its own output hidden state instead and drafts k tokens one after another: a chain of its top
+guesses, or a tree of its most likely branches (DraftsBestFirst). The target's embedding and LM
+head are shared and frozen.
 """
 
+import heapq
+import itertools
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
@@ -15,6 +18,7 @@ from torch import nn
 from ..kv_cache import KVCache
 from ..layers import MLP, Attention, RMSNorm, RotaryEmbedding, causal_mask, fuse_projections
 from ..model import ModelConfig, Transformer
+from ..verify import DraftTree
 from . import (
     DrafterError,
     ModelProposer,
@@ -101,13 +105,15 @@ class Eagle3Layer(nn.Module):
         h = features + attention_out  # the residual stream is the feature's, not the embedding's
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def forward(self, embeds, features, cos, sin, caches: list[KVCache], sizes: list[int]):
-        """embeds, features [N, H]: the new positions of len(caches) sequences end to end (sizes)."""
+    def forward(self, embeds, features, cos, sin, caches: list[KVCache], sizes: list[int], masks=None):
+        """embeds, features [N, H]: the new positions of len(caches) sequences end to end (sizes);
+        masks: each sequence's attention mask, None for causal."""
         q, k, v = self.self_attn.query_key_value(self.fuse(embeds, features), cos, sin)
+        masks = masks or [causal_mask(size, cache.length + size) for cache, size in zip(caches, sizes)]
         attended = []
-        for cache, size, q_s, k_s, v_s in zip(caches, sizes, q.split(sizes, 2), k.split(sizes, 2), v.split(sizes, 2)):
+        for cache, mask, q_s, k_s, v_s in zip(caches, masks, q.split(sizes, 2), k.split(sizes, 2), v.split(sizes, 2)):
             k_all, v_all = cache.write(0, k_s, v_s)
-            attended.append(self.self_attn.attend(q_s, k_all, v_all, causal_mask(size, cache.length + size)))
+            attended.append(self.self_attn.attend(q_s, k_all, v_all, mask))
         return self.finish(features, self.self_attn.project_out(torch.cat(attended, dim=2)))
 
 
@@ -122,21 +128,78 @@ class Eagle3Drafter(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
         add_vocab_buffers(self, config.vocab_size, config.draft_vocab_size)
 
-    def forward(self, embeds: torch.Tensor, features: torch.Tensor, caches: list[KVCache], sizes: list[int]) -> torch.Tensor:
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor, caches: list[KVCache], sizes: list[int],
+                positions: torch.Tensor | None = None, masks: list[torch.Tensor | None] | None = None) -> torch.Tensor:
         """embeds, features [N, H]: the next sizes[i] drafter positions of sequence i, end to end ->
         hidden states [N, H] (before the norm). One matrix product per weight for all sequences;
-        attention per sequence, on its own cache, at its own positions."""
-        positions = torch.cat([torch.arange(cache.length, cache.length + size) for cache, size in zip(caches, sizes)])
+        attention per sequence, on its own cache. Positions and masks: the cache's next slots,
+        causal, unless given (a draft tree's nodes)."""
+        if positions is None:
+            positions = torch.cat([torch.arange(cache.length, cache.length + size) for cache, size in zip(caches, sizes)])
         cos, sin = self.rotary(positions)
-        hidden = self.midlayer(embeds, features, cos, sin, caches, sizes)
+        hidden = self.midlayer(embeds, features, cos, sin, caches, sizes, masks)
         for cache, size in zip(caches, sizes):
             cache.advance(size)
         return hidden
 
 
+class DraftsBestFirst:
+    """One sequence's drafts, grown best first: each new draft is the most likely continuation not
+    yet drafted, by the drafter's probability of its whole branch (the product of its tokens'
+    conditional probabilities). Candidates are (-log-probability, order, parent draft, token);
+    only drafts the drafter has read (expand) propose children, so a parent precedes its children.
+    A chain is the tree whose drafts each propose one child, their top guess."""
+
+    def __init__(self, num_context: int):
+        self.num_context = num_context  # drafter cache slots of the committed tokens, visible to every draft
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.depths: list[int] = []
+        self.slots: dict[int, int] = {}  # draft -> the drafter cache slot of its keys/values, once read
+        self.hidden: dict[int, torch.Tensor] = {}  # draft (-1: the committed tokens) -> the state that guessed its children
+        self.log_probs = {-1: 0.0}  # draft -> log-probability of its branch
+        self.candidates: list[tuple[float, int, int, int]] = []
+        self.order = itertools.count()
+
+    def expand(self, draft: int, hidden: torch.Tensor, log_probs: list[float], tokens: list[int]) -> None:
+        self.hidden[draft] = hidden
+        for log_prob, token in zip(log_probs, tokens):
+            candidate = (-(self.log_probs[draft] + log_prob), next(self.order), draft, token)
+            heapq.heappush(self.candidates, candidate)
+
+    def take_best(self) -> None:
+        cost, _, parent, token = heapq.heappop(self.candidates)
+        self.log_probs[len(self.tokens)] = -cost
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1 if parent >= 0 else 1)
+
+    def read_newest(self, slot: int) -> tuple[int, torch.Tensor, int, torch.Tensor | None]:
+        """The drafter's input for the newest draft, whose keys/values go to `slot`: its token, the
+        state that guessed it, its position, and its attention mask over slots 0..slot (None: all)."""
+        draft = len(self.tokens) - 1
+        self.slots[draft] = slot
+        ancestors, parent = [], self.parents[draft]
+        while parent >= 0:
+            ancestors.append(self.slots[parent])
+            parent = self.parents[parent]
+        mask = None
+        if len(ancestors) < slot - self.num_context:  # other branches were read before it: hide them
+            mask = torch.zeros(1, slot + 1, dtype=torch.bool)
+            mask[0, : self.num_context] = True
+            mask[0, ancestors + [slot]] = True
+        # One position past its parent's; the committed tokens' last sits at num_context - 1.
+        position = self.num_context + self.depths[draft] - 1
+        return self.tokens[draft], self.hidden[self.parents[draft]], position, mask
+
+
 class Eagle3Proposer(ModelProposer):
     cache: KVCache | None = None  # per sequence: the drafter layer's keys/values, made by begin()
     num_context = 0  # drafter positions backed by real target features
+
+    def __init__(self, target: Transformer, drafter: "Eagle3Drafter", num_speculative_tokens: int, tree: bool = False):
+        super().__init__(target, drafter, num_speculative_tokens)
+        self.tree = tree  # draft a tree (DraftsBestFirst), the same number of drafter forwards as a chain
 
     def begin(self, capacity: int) -> None:
         cfg = self.drafter.config
@@ -144,10 +207,10 @@ class Eagle3Proposer(ModelProposer):
         self.pending, self.num_context = [], 0
 
     @torch.inference_mode()
-    def propose_batch(self, work: list[tuple["Eagle3Proposer", list[int], int]]) -> list[list[int]]:
+    def propose_batch(self, work: list[tuple["Eagle3Proposer", list[int], int]]) -> list[list[int] | DraftTree]:
         """Drafts for many sequences ((its proposer, its committed tokens, most drafts) each): one
-        drafter forward per draft position for all the sequences still drafting."""
-        drafts: list[list[int]] = [[] for _ in work]
+        drafter forward per draft after the first for all the sequences still drafting."""
+        drafts: list[list[int] | DraftTree] = [[] for _ in work]
         drafting = [(i, proposer, tokens, limit) for i, (proposer, tokens, max_drafts) in enumerate(work)
                     if proposer.pending and (limit := min(proposer.num_speculative_tokens, max_drafts)) > 0]
         if not drafting:
@@ -168,18 +231,31 @@ class Eagle3Proposer(ModelProposer):
         hidden = self.drafter(self.target.embed_tokens(torch.cat(embeds)), self.drafter.fc(torch.cat(features)),
                               caches, sizes)
         hidden = hidden[torch.tensor(sizes).cumsum(0) - 1]  # each sequence's last position: [S, H]
-        # Then one position at a time: each guess, with the hidden state that made it, is the next input.
+        # Then one draft at a time: each draft, with the hidden state that guessed it, is an input,
+        # and the hidden state it gives guesses its children.
+        grown = [DraftsBestFirst(proposer.num_context) for _, proposer, _, _ in drafting]
+        read = [(k, -1) for k in range(len(drafting))]  # (sequence, draft) of each row of `hidden`
+        width = max(limit for _, _, _, limit in drafting) if self.tree else 1
         while True:
-            guesses = self.head.to_target(self.head.logits(self.drafter.norm(hidden)).argmax(-1)).tolist()
-            for (i, _, _, _), guess in zip(drafting, guesses):
-                drafts[i].append(guess)
-            going = [k for k, (i, _, _, count) in enumerate(drafting) if len(drafts[i]) < count]
+            top = torch.log_softmax(self.head.logits(self.drafter.norm(hidden)).float(), dim=-1).topk(width, dim=-1)
+            log_probs, guesses = top.values.tolist(), self.head.to_target(top.indices).tolist()
+            going = []
+            for row, (k, draft) in enumerate(read):
+                grown[k].expand(draft, hidden[row], log_probs[row], guesses[row])
+                grown[k].take_best()
+                if len(grown[k].tokens) < drafting[k][3]:
+                    going.append(k)
             if not going:
-                return drafts
-            drafting = [drafting[k] for k in going]
-            last = torch.tensor([drafts[i][-1] for i, _, _, _ in drafting])
-            hidden = self.drafter(self.target.embed_tokens(last), hidden[going],
-                                  [proposer.cache for _, proposer, _, _ in drafting], [1] * len(drafting))
+                break
+            inputs = [grown[k].read_newest(drafting[k][1].cache.length) for k in going]
+            tokens, states, positions, masks = zip(*inputs)
+            hidden = self.drafter(self.target.embed_tokens(torch.tensor(tokens)), torch.stack(states),
+                                  [drafting[k][1].cache for k in going], [1] * len(going),
+                                  torch.tensor(positions), list(masks))
+            read = [(k, len(grown[k].tokens) - 1) for k in going]
+        for (i, _, _, _), tree in zip(drafting, grown):
+            drafts[i] = DraftTree(tree.tokens, tree.parents) if self.tree else tree.tokens
+        return drafts
 
 
 def load_eagle3(folder: str | Path) -> Eagle3Drafter:
@@ -200,6 +276,5 @@ def build_eagle3(target: Transformer, options: ProposerOptions) -> Eagle3Propose
         drafter = load_eagle3(source)
     check_matches_target("eagle3", drafter.config, target.config)
     fuse_projections(drafter)
-    point = checkpoint.operating_point("eagle3", source, options)
-    num_tokens = point.num_speculative_tokens if point else options.num_speculative_tokens or DEFAULT_TOKENS
-    return Eagle3Proposer(target, drafter, num_tokens)
+    point = checkpoint.operating_point(source, options, DEFAULT_TOKENS)
+    return Eagle3Proposer(target, drafter, point.num_speculative_tokens, point.draft_tree)

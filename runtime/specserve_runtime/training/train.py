@@ -303,14 +303,15 @@ def evaluate_drafter(method: str, folder: str, target: Transformer, eval_data: s
     """`specserve eval-drafter`: a trained drafter's held-out acceptance (`evaluate`) on the first
     `sequences` of a distilled folder: what the engine would measure at T=0 on their prompts, from
     one teacher-forced pass per sequence instead of decoding them."""
-    from ..drafters import CHAIN_ONLY, DrafterError, check_matches_target
+    from ..drafters import DrafterError, check_matches_target
 
     if drafts is not None and drafts < 1:
         raise DrafterError(f"--drafts must be >= 1, got {drafts}")
     drafter = (load_dflash if method == "dflash" else load_eagle3)(folder)
     check_matches_target(method, drafter.config, target.config)
     if tree and method != "dflash":
-        raise DrafterError(CHAIN_ONLY.format(method=method))
+        raise DrafterError("--draft-tree: eval-drafter measures DFlash's trees only; EAGLE-3's in the engine "
+                           "(specserve bench --methods eagle3:treeK)")
     if method == "dflash":
         cfg = TrainConfig(method=method, data="", eval_data=eval_data, out="", block_size=drafter.config.block_size)
         if drafts is not None and drafts > most_drafts(cfg) and not tree:
