@@ -103,6 +103,7 @@ class Speculator(Model):
             "x-kubernetes-validations": [
                 cel("!(self.method in ['dflash', 'eagle3']) || has(self.draftModel)", "dflash and eagle3 need a draftModel"),
                 cel("self.method != 'none' || !has(self.numSpeculativeTokens)", "method none takes no numSpeculativeTokens"),
+                cel("self.method in ['dflash', 'eagle3'] || !has(self.draftTree)", "draftTree is for methods dflash and eagle3"),
             ]
         }
     )
@@ -110,7 +111,13 @@ class Speculator(Model):
     draft_model: str | None = Field(
         None, pattern=DRAFT_MODEL_URI, description="hf://, pvc://, s3://, or bundled://NAME: a drafter the runtime images embed"
     )
-    num_speculative_tokens: int | None = Field(None, ge=1, le=64, description="dflash: block size - 1")
+    num_speculative_tokens: int | None = Field(
+        None, ge=1, le=64, description="drafts per step; default: the drafter's own (dflash: block size - 1)"
+    )
+    draft_tree: bool | None = Field(
+        None, description="dflash, eagle3 on the embedded engine: verify a tree of the drafter's most likely "
+        "continuations, numSpeculativeTokens drafts in all; default: the drafter's own operating point"
+    )
 
     @model_validator(mode="after")
     def _draft_model_where_needed(self):
@@ -118,6 +125,8 @@ class Speculator(Model):
             raise ValueError(f"draftModel: required for method {self.method}")
         if self.method == "none" and self.num_speculative_tokens is not None:
             raise ValueError("numSpeculativeTokens: not allowed with method none")
+        if self.method not in ("dflash", "eagle3") and self.draft_tree is not None:
+            raise ValueError(f"draftTree: only a drafter model (dflash, eagle3) drafts a tree; method {self.method} drafts a chain")
         return self
 
 
@@ -241,7 +250,29 @@ class Rollout(Model):
         return self
 
 
+# The vLLM launcher drafts chains: a draft tree needs the embedded engine, for the stable revision
+# (spec.runtime) and for a candidate (its runtime override, else spec.runtime).
+def _embedded(runtime: str) -> str:
+    return f"(has({runtime}) && has({runtime}.engine) && {runtime}.engine == 'embedded')"
+
+
+_CANDIDATE = "self.rollout.candidate"
+TREE_NEEDS_EMBEDDED = "a draftTree needs runtime.engine embedded (on vLLM specserve drafts chains)"
+
+
 class SpeculativeServingSpec(Model):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(f"!has(self.speculator) || !has(self.speculator.draftTree) || !self.speculator.draftTree || "
+                    f"{_embedded('self.runtime')}", TREE_NEEDS_EMBEDDED, ".speculator.draftTree"),
+                cel(f"!has(self.rollout) || !has({_CANDIDATE}.speculator.draftTree) || !{_CANDIDATE}.speculator.draftTree || "
+                    f"(has({_CANDIDATE}.runtime) && has({_CANDIDATE}.runtime.engine) ? "
+                    f"{_CANDIDATE}.runtime.engine == 'embedded' : {_embedded('self.runtime')})",
+                    TREE_NEEDS_EMBEDDED, ".rollout.candidate.speculator.draftTree"),
+            ]
+        }
+    )
     profile: str = Field(min_length=1, description="a ServingProfile that selects this namespace")
     model: ModelRef
     speculator: Speculator = Speculator()
@@ -250,6 +281,17 @@ class SpeculativeServingSpec(Model):
     autoscaling: Autoscaling = Autoscaling()
     traffic: Traffic = Traffic()
     rollout: Rollout | None = None
+
+    @model_validator(mode="after")
+    def _draft_tree_on_the_embedded_engine(self):
+        if self.speculator.draft_tree and self.runtime.engine != "embedded":
+            raise ValueError(f"speculator.draftTree: {TREE_NEEDS_EMBEDDED}")
+        candidate = self.rollout.candidate if self.rollout else None
+        if candidate and candidate.speculator.draft_tree:
+            engine = (candidate.runtime.engine if candidate.runtime else None) or self.runtime.engine
+            if engine != "embedded":
+                raise ValueError(f"rollout.candidate.speculator.draftTree: {TREE_NEEDS_EMBEDDED}")
+        return self
 
 
 # ---- status -------------------------------------------------------------------------------

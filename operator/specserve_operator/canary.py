@@ -45,7 +45,7 @@ from pydantic import BaseModel, ValidationError
 
 from . import api  # pydantic only: the decision and measurement modules are imported when a canary runs
 
-SPEC_KEYS = ("method", "draftModel", "numSpeculativeTokens")
+SPEC_KEYS = ("method", "draftModel", "numSpeculativeTokens", "draftTree")
 SERVING = "canary"  # the `serving` series label of both revisions
 SERVED_NAME = "canary"  # the OpenAI model name both runtimes answer to
 READY_SECONDS = 180  # a runtime or Prometheus not ready by then is a failure
@@ -78,10 +78,11 @@ class LocalSpeculator:
     method: str
     draft_model: str | None = None
     num_speculative_tokens: int | None = None
+    draft_tree: bool | None = None
 
     def as_dict(self) -> dict:
         fields = {"method": self.method, "draftModel": self.draft_model,
-                  "numSpeculativeTokens": self.num_speculative_tokens}
+                  "numSpeculativeTokens": self.num_speculative_tokens, "draftTree": self.draft_tree}
         return {key: value for key, value in fields.items() if value is not None}
 
     @property
@@ -96,6 +97,8 @@ class LocalSpeculator:
         if self.num_speculative_tokens:
             count = self.num_speculative_tokens
             extra.append(f"{count} draft{'s' if count > 1 else ''} per step")
+        if self.draft_tree is not None:
+            extra.append("a draft tree" if self.draft_tree else "a chain")
         return self.method + (f" ({', '.join(extra)})" if extra else "")
 
     def serve_arguments(self) -> list[str]:
@@ -104,6 +107,8 @@ class LocalSpeculator:
             arguments += ["--drafter", self.draft_model]
         if self.num_speculative_tokens is not None:
             arguments += ["--num-speculative-tokens", str(self.num_speculative_tokens)]
+        if self.draft_tree is not None:
+            arguments.append("--draft-tree" if self.draft_tree else "--no-draft-tree")
         return arguments
 
     def api_speculator(self) -> api.Speculator:
@@ -111,8 +116,7 @@ class LocalSpeculator:
         uri = None
         if self.method in ("eagle3", "dflash"):
             uri = f"pvc://local/{Path(self.draft_model).name if self.draft_model else 'bundled'}"
-        return api.Speculator.model_validate({"method": self.method, "draftModel": uri,
-                                             "numSpeculativeTokens": self.num_speculative_tokens})
+        return api.Speculator.model_validate({**self.as_dict(), "draftModel": uri})
 
 
 def _read_spec(text: str, flag: str) -> dict:
@@ -178,6 +182,11 @@ def parse_speculator(text: str, flag: str) -> LocalSpeculator:
         if _integer(tokens) is None or _integer(tokens) < 1:
             raise CanaryError(f"{flag}: numSpeculativeTokens: must be an integer >= 1, got {tokens!r}")
         tokens = _integer(tokens)
+    tree = data.get("draftTree")
+    if isinstance(tree, str) and tree.lower() in ("true", "false"):  # inline specs are text
+        tree = tree.lower() == "true"
+    if tree is not None and not isinstance(tree, bool):
+        raise CanaryError(f"{flag}: draftTree: must be true or false, got {tree!r}")
     draft = data.get("draftModel")
     if draft is not None:
         if method not in ("eagle3", "dflash"):
@@ -189,7 +198,7 @@ def parse_speculator(text: str, flag: str) -> LocalSpeculator:
                 raise CanaryError(f"{flag}: draftModel: {draft!r}: no such folder "
                                   "(a drafter checkpoint folder, or random)")
             draft = str(folder.resolve())
-    speculator = LocalSpeculator(method, draft, tokens)
+    speculator = LocalSpeculator(method, draft, tokens, tree)
     try:
         speculator.api_speculator()  # the CR's own rules too (e.g. numSpeculativeTokens <= 64)
     except ValidationError as exc:
@@ -741,7 +750,7 @@ the very code the operator runs (measure, analysis.analyse, rollout.decide), unt
 is Promoted or Aborted, or --timeout-seconds ends it as Inconclusive.
 
 SPEC is a speculator as in the SpeculativeServing CR: a YAML/JSON file with method, draftModel,
-numSpeculativeTokens, or inline, e.g. method=dflash,draftModel=PATH,numSpeculativeTokens=3.
+numSpeculativeTokens, draftTree, or inline, e.g. method=dflash,draftModel=PATH,numSpeculativeTokens=3.
 Locally draftModel is a drafter checkpoint folder or `random` (an untrained drafter), and may be
 left out for eagle3/dflash (the bundled trained drafter). method none is plain decoding.
 

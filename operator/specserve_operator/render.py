@@ -250,6 +250,7 @@ def runtime_config(serving: Serving, revision: Revision) -> RuntimeConfig:
         method=speculator.method,
         drafter=drafter_location(speculator.draft_model),
         num_speculative_tokens=speculator.num_speculative_tokens,
+        draft_tree=speculator.draft_tree,
         engine=revision.runtime.engine,
         engine_args=revision.runtime.args,
         port=DEFAULT_PORT,

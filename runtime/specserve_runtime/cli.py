@@ -258,7 +258,7 @@ def cmd_serve(args) -> None:
             raise UsageError(f"{args.config}: engine {config.engine} runs with `specserve launch`, not `serve`")
         args.model, args.method, args.port = config.model, config.method, config.port
         args.drafter, args.served_model_name = config.drafter, config.served_name
-        args.num_speculative_tokens = config.num_speculative_tokens
+        args.num_speculative_tokens, args.draft_tree = config.num_speculative_tokens, config.draft_tree
     run_embedded_server(args)
 
 

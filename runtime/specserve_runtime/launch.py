@@ -38,6 +38,8 @@ def default_speculative_tokens(config: RuntimeConfig) -> int:
 def speculative_config(config: RuntimeConfig) -> dict | None:
     if config.method == "none":
         return None
+    if config.draft_tree:
+        raise ValueError("draftTree: on vLLM specserve drafts chains; a draft tree runs on the embedded engine")
     tokens = config.num_speculative_tokens or default_speculative_tokens(config)
     if config.method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": tokens, "prompt_lookup_max": 4, "prompt_lookup_min": 2}

@@ -65,6 +65,8 @@ def run_cli(capsys, prompts_file, *extra, stable="method=none", candidate="metho
     ("method=eagle3,draftModel=/no/such/drafter", "draftModel"),
     ("method=eagle3,draftModel=", "draftModel"),
     ("method=ngram,draftModel=random", "draftModel"),
+    ("method=dflash,draftTree=yes", "draftTree"),
+    ("method=ngram,draftTree=true", "draftTree"),  # the API's own rule: a tree needs a drafter model
     ("dflash", "--candidate"),
 ])
 def test_bad_inline_spec_names_the_field(capsys, prompts_file, nothing_starts, candidate, field):
@@ -76,6 +78,7 @@ def test_bad_inline_spec_names_the_field(capsys, prompts_file, nothing_starts, c
 
 @pytest.mark.parametrize("text, field", [
     ("method: dflash\nnumSpeculativeTokens: true\n", "numSpeculativeTokens"),
+    ("method: dflash\ndraftTree: 1\n", "draftTree"),
     ('{"method": "eagle3", "draftModels": "random"}', "draftModels"),
     ("method: [eagle3]\n", "method"),
     ("- method: eagle3\n", "--stable"),
@@ -101,6 +104,11 @@ def test_spec_file_and_inline_give_the_same_speculator_and_revision(tmp_path):
     assert len(from_file.revision) == 8 and from_file.revision != canary.parse_speculator("method=dflash", "-").revision
     assert canary.parse_speculator("method=none", "--stable").serve_arguments() == ["--method", "none"]
     assert canary.parse_speculator("method=eagle3", "--c").api_speculator().draft_model == "pvc://local/bundled"
+    tree = canary.parse_speculator("method=dflash,numSpeculativeTokens=6,draftTree=true", "--candidate")
+    assert tree.serve_arguments()[-3:] == ["--num-speculative-tokens", "6", "--draft-tree"]
+    assert tree.api_speculator().draft_tree is True and tree.revision != canary.parse_speculator(
+        "method=dflash,numSpeculativeTokens=6", "-").revision
+    assert canary.parse_speculator("method=dflash,draftTree=False", "-").serve_arguments()[-1] == "--no-draft-tree"
 
 
 def test_same_speculator_on_both_sides_is_refused(capsys, prompts_file, nothing_starts):

@@ -114,6 +114,13 @@ def _evaluate_cel(spec: dict) -> list[str]:
         (lambda s: s["speculator"].pop("draftModel"), "dflash and eagle3 need a draftModel"),
         (lambda s: s["traffic"].pop("gateway"), "GatewayAPI mode needs a gateway"),
         (lambda s: s.__setitem__("speculator", {"method": "none", "numSpeculativeTokens": 3}), "method none takes no numSpeculativeTokens"),
+        (lambda s: s.__setitem__("speculator", {"method": "ngram", "draftTree": False}), "draftTree is for methods dflash and eagle3"),
+        # The example's stable runtime is vLLM, where specserve drafts chains; the candidate inherits it.
+        (lambda s: s["speculator"].__setitem__("draftTree", True), api.TREE_NEEDS_EMBEDDED),
+        (lambda s: s["rollout"]["candidate"]["speculator"].__setitem__("draftTree", True), api.TREE_NEEDS_EMBEDDED),
+        (lambda s: (s["runtime"].__setitem__("engine", "embedded"), s["rollout"]["candidate"].update(
+            speculator={"method": "dflash", "draftModel": "bundled://smollm2-135m-instruct-dflash", "draftTree": True},
+            runtime={"engine": "vllm"})), api.TREE_NEEDS_EMBEDDED),
     ],
 )
 def test_cel_rules_and_model_validators_reject_the_same_specs(example_documents, mutate, message):
@@ -122,6 +129,16 @@ def test_cel_rules_and_model_validators_reject_the_same_specs(example_documents,
     mutate(serving["spec"])
     assert message in _evaluate_cel(serving["spec"])
     assert parse_serving(serving)[1], "the operator's own validation rejects it too"
+
+
+def test_a_draft_tree_is_accepted_where_the_engine_is_embedded(example_documents):
+    serving = copy.deepcopy(next(d for d in example_documents if d["kind"] == "SpeculativeServing"))
+    candidate = serving["spec"]["rollout"]["candidate"]
+    candidate["speculator"]["draftTree"], candidate["runtime"] = True, {"engine": "embedded"}  # stable stays on vLLM
+    assert _evaluate_cel(serving["spec"]) == [] and parse_serving(serving)[1] == []
+    serving["spec"]["speculator"] = candidate["speculator"]
+    serving["spec"]["runtime"]["engine"] = "embedded"
+    assert _evaluate_cel(serving["spec"]) == [] and parse_serving(serving)[1] == []
 
 
 def test_chart_ships_the_generated_crds():

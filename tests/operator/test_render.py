@@ -210,12 +210,32 @@ def test_a_bundled_drafter_renders_to_the_folder_inside_the_runtime_image_and_th
     (config_map,) = of_kind(objects, "ConfigMap")
     config = yaml.safe_load(config_map["data"]["runtime.yaml"])
     assert config["drafter"] == f"{BUNDLED_DRAFTERS_DIR}/smollm2-135m-instruct-dflash"
+    assert "numSpeculativeTokens" not in config and "draftTree" not in config  # the drafter's own operating point
     (deployment,) = of_kind(objects, "Deployment")
     assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == api.RUNTIME_IMAGES["embedded"]
     # Only the drafters the images embed: an unknown name is refused by the API's own pattern.
     serving_doc["spec"]["speculator"]["draftModel"] = "bundled://my-drafter"
     _, problems = parse_serving(serving_doc)
     assert any("draftModel" in problem for problem in problems)
+
+
+def test_a_draft_tree_renders_into_the_runtime_configuration_as_its_own_revision(example_documents):
+    documents = copy.deepcopy(example_documents)
+    serving_doc = next(d for d in documents if d["kind"] == "SpeculativeServing")
+    speculator = {"method": "dflash", "draftModel": "bundled://smollm2-135m-instruct-dflash", "numSpeculativeTokens": 6}
+    serving_doc["spec"].update(speculator=speculator, runtime={"engine": "embedded"})
+    serving_doc["spec"].pop("rollout", None)
+    configs = {}
+    for tree in (None, True, False):
+        speculator.pop("draftTree", None)
+        if tree is not None:
+            speculator["draftTree"] = tree
+        serving, profile, _ = parsed(documents)
+        (config_map,) = of_kind(render_all(serving, profile), "ConfigMap")
+        configs[tree] = (config_map["metadata"]["name"], yaml.safe_load(config_map["data"]["runtime.yaml"]))
+    assert "draftTree" not in configs[None][1]
+    assert configs[True][1]["draftTree"] is True and configs[False][1]["draftTree"] is False
+    assert len({name for name, _ in configs.values()}) == 3  # each a revision of its own
 
 
 def test_replica_ratio_mode_has_no_route_and_splits_replicas(example_documents):
