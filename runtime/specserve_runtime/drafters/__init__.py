@@ -96,8 +96,8 @@ class ProposerOptions:
     num_speculative_tokens: int | None = None  # drafts per step (dflash: block size - 1)
     mask_token_id: int | None = None  # dflash with a random drafter: the mask token to record
     seed: int = 0
-    # dflash: the drafts are the block's most likely prefixes, a tree, not a chain; None: as the
-    # drafter's operating point has it when no count is given, else a chain
+    # dflash, eagle3: the drafts are the drafter's most likely continuations, a tree, not a chain;
+    # None: as the drafter's operating point has it when no count is given, else a chain
     draft_tree: bool | None = None
 
 
