@@ -609,8 +609,8 @@ def build_parser() -> Parser:
     evaluator.add_argument("--eval-sequences", type=int, default=256, help="the first N sequences (default 256)")
     evaluator.add_argument("--drafts", type=int, help="drafts per step, as the engine's METHOD:K (default: DFlash's "
                            "block size - 1, EAGLE-3's 4)")
-    evaluator.add_argument("--draft-tree", action="store_true", help="dflash: a tree of the block's most likely "
-                           "prefixes, --drafts in all (EAGLE-3's trees: `bench --methods eagle3:treeK`)")
+    evaluator.add_argument("--draft-tree", action="store_true", help=DRAFT_TREE_HELP.replace("--num-speculative-tokens",
+                                                                                            "--drafts"))
     evaluator.set_defaults(run=cmd_eval_drafter)
 
     sweeper = commands.add_parser("sweep-drafter", help="short DFlash runs varying block size and draft layers (resumable)")

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from specserve_runtime.drafters import DrafterError, build_proposer
+from specserve_runtime.drafters import build_proposer
 from specserve_runtime.drafters.dflash import DFlashConfig, DFlashProposer, load_dflash, random_drafter, save_dflash
 from specserve_runtime.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Proposer, load_eagle3, save_eagle3
 from specserve_runtime.drafters.vocab import DraftHead, draft_token_ids, set_draft_vocab
@@ -17,6 +17,7 @@ from specserve_runtime.training.recipes import (
     eagle3_loss,
     engine_walk,
     position_weights,
+    proposer_accepted,
     sample_anchors,
     tree_accepted,
 )
@@ -103,6 +104,12 @@ def test_eagle3_training_time_test_equals_inference_drafting(tiny_llama, draft_v
         _, stats = eagle3_loss(drafter, tiny_llama, head, forced, taps_forced, response_start=10, depth=depth)
     # The drafting position j = 8 starts the chain whose labels are the drafts: all accepted.
     assert stats["tau"] == pytest.approx(1 + depth)
+    # The engine's own proposer walked through the same sequence accepts what the unrolled chain does,
+    # position by position (eval-drafter grows EAGLE-3's trees this way).
+    with torch.no_grad():
+        _, from_position_9 = eagle3_loss(drafter, tiny_llama, head, forced, taps_forced, response_start=9, depth=depth)
+    walked = proposer_accepted(Eagle3Proposer(tiny_llama, drafter, depth), forced.tolist(), taps_forced, 9, depth)
+    assert walked == from_position_9["accepted"] and walked[0] == depth
 
 
 def test_dflash_loss_trains_a_drafter_to_copy_a_sequence(tiny_llama, tmp_path):
@@ -476,9 +483,9 @@ def test_eval_drafter_evaluates_a_saved_drafter_on_the_features_it_reads(tiny_ll
         tree = evaluate_drafter(method, str(tmp_path / "drafter"), tiny_llama, eval_data, 2, 5, True, lambda message: None)
         assert tree["tree"] and tree["drafts"] == 5 and 1 <= tree["engine_tau"] <= 1 + most
         assert tree["engine_per_position"][most:] == [0, 0]  # no branch is deeper than the block
-    else:
-        with pytest.raises(DrafterError, match="eval-drafter measures DFlash's trees only"):
-            evaluate_drafter(method, str(tmp_path / "drafter"), tiny_llama, eval_data, 2, 5, True, lambda message: None)
+    else:  # grown by the engine's proposer at every position
+        tree = evaluate_drafter(method, str(tmp_path / "drafter"), tiny_llama, eval_data, 2, 5, True, lambda message: None)
+        assert tree["tree"] and tree["drafts"] == 5 and 1 <= tree["engine_tau"] <= 1 + 5
 
 
 def test_tree_acceptance_follows_the_data_down_any_branch():

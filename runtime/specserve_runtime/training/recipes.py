@@ -12,6 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..drafters import Proposer, propose_all
 from ..drafters.dflash import DFlashDrafter, draft_tree
 from ..drafters.eagle3 import Eagle3Drafter
 from ..drafters.vocab import IGNORE, DraftHead
@@ -67,6 +68,24 @@ def tree_accepted(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tenso
         label = [token if ok else IGNORE for token, ok in zip(anchor_labels, anchor_valid)] + [IGNORE]
         counts.append(len(tree.accepted(lambda row: label[depths[row]])))
     return torch.tensor(counts)
+
+
+def proposer_accepted(proposer: Proposer, tokens: list[int], taps: torch.Tensor, response_start: int,
+                      max_drafts: int) -> list[int]:
+    """After each response token but the last (the positions of eagle3_loss's "accepted"), the drafts
+    accepted when the engine's own `proposer` drafts there: given the data's tokens and the target's
+    features of them, as in the engine at T=0, where the data is what the target commits. Along an
+    accepted branch the target's token after a draft at depth d is the data's, d + 1 tokens on."""
+    proposer.begin(len(tokens) + max_drafts + 1)
+    accepted, fed = [], 0
+    for position in range(response_start, len(tokens) - 1):
+        proposer.extend_context(taps[fed:position])  # the target's features of every token but the last
+        fed = position
+        (drafts,) = propose_all(proposer, [(proposer, tokens[: position + 1], max_drafts)])
+        depths = [0] + drafts.depths  # of each row: 0 the committed tokens, 1 + i draft i
+        following = tokens[position + 1 :]
+        accepted.append(len(drafts.accepted(lambda row: following[depths[row]] if depths[row] < len(following) else None)))
+    return accepted
 
 
 def engine_walk(accepted: list[int]) -> list[int]:

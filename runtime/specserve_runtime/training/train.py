@@ -21,11 +21,11 @@ from safetensors.torch import save_file
 
 from ..drafters.dflash import DFlashConfig, DFlashDrafter, load_dflash, save_dflash
 from ..drafters.eagle3 import DEFAULT_TOKENS as EAGLE3_DEFAULT_TOKENS
-from ..drafters.eagle3 import Eagle3Config, Eagle3Drafter, feature_layer_ids, load_eagle3, save_eagle3
+from ..drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Proposer, feature_layer_ids, load_eagle3, save_eagle3
 from ..drafters.vocab import DraftHead, draft_token_ids, frequency_ranked, set_draft_vocab
 from ..model import Transformer
 from .distill import read_shards
-from .recipes import dflash_loss, eagle3_loss, engine_walk
+from .recipes import dflash_loss, eagle3_loss, engine_walk, proposer_accepted
 
 
 # DFlash's loss weighs block slot k by exp(-(k-1)/gamma). The gammas SpecForge's DFlash recipe
@@ -246,7 +246,9 @@ def evaluate(cfg: TrainConfig, drafter, target, head: DraftHead, sequences, taps
     `specserve bench` measures on the same prompts; engine_per_position: how often that walk's steps
     accept draft 1, 2, .... Both in all and per category of prompt (chat, code, math). `drafts` caps
     the drafts per step (the engine's METHOD:K); by default a DFlash block's B-1, or EAGLE-3's depth.
-    `tree`: a DFlash block's drafts are its draft tree of `drafts` nodes (the engine's METHOD:treeK).
+    `tree`: the drafts are a draft tree of `drafts` nodes (the engine's METHOD:treeK): a DFlash
+    block's, from its teacher-forced logits; EAGLE-3's grown by the engine's own proposer at every
+    position (recipes.proposer_accepted), since each of its drafts needs a drafter forward.
     """
     kept = [(record, features) for record, features in zip(sequences, taps) if has_drafts(record)]
     if not kept:
@@ -258,6 +260,11 @@ def evaluate(cfg: TrainConfig, drafter, target, head: DraftHead, sequences, taps
     drafts = drafts or most_drafts(cfg)
     results = [sequence_loss(every_position, drafter, target, head, r, t, generator, drafts if tree else None)
                for r, t in zip(sequences, taps)]
+    if tree and cfg.method == "eagle3":
+        proposer = Eagle3Proposer(target, drafter, drafts, tree=True)
+        for record, features, (_, stats) in zip(sequences, taps, results):
+            stats["accepted"] = proposer_accepted(proposer, record["prompt_ids"] + record["response_ids"],
+                                                  features.float(), len(record["prompt_ids"]), drafts)
     drafter.train()
     groups = {}
     for record, (loss, stats) in zip(sequences, results):
@@ -309,9 +316,6 @@ def evaluate_drafter(method: str, folder: str, target: Transformer, eval_data: s
         raise DrafterError(f"--drafts must be >= 1, got {drafts}")
     drafter = (load_dflash if method == "dflash" else load_eagle3)(folder)
     check_matches_target(method, drafter.config, target.config)
-    if tree and method != "dflash":
-        raise DrafterError("--draft-tree: eval-drafter measures DFlash's trees only; EAGLE-3's in the engine "
-                           "(specserve bench --methods eagle3:treeK)")
     if method == "dflash":
         cfg = TrainConfig(method=method, data="", eval_data=eval_data, out="", block_size=drafter.config.block_size)
         if drafts is not None and drafts > most_drafts(cfg) and not tree:
