@@ -30,7 +30,7 @@ class RuntimeConfig(BaseModel):
     method: Literal["none", "ngram", "eagle3", "dflash"] = "none"
     drafter: str | None = None
     num_speculative_tokens: int | None = Field(None, ge=1, le=64)
-    draft_tree: bool | None = Field(None, description="dflash, embedded engine: a draft tree (None: the drafter's default)")
+    draft_tree: bool | None = Field(None, description="dflash or eagle3, embedded engine: a draft tree (None: the drafter's default)")
     engine: Literal["vllm", "embedded"] = "embedded"
     engine_args: list[str] = []
     port: int = Field(DEFAULT_PORT, ge=1, le=65535)
