@@ -154,7 +154,6 @@ class DraftsBestFirst:
         self.num_context = num_context  # drafter cache slots of the committed tokens, visible to every draft
         self.tokens: list[int] = []
         self.parents: list[int] = []
-        self.depths: list[int] = []
         self.slots: dict[int, int] = {}  # draft -> the drafter cache slot of its keys/values, once read
         self.hidden: dict[int, torch.Tensor] = {}  # draft (-1: the committed tokens) -> the state that guessed its children
         self.log_probs = {-1: 0.0}  # draft -> log-probability of its branch
@@ -172,7 +171,6 @@ class DraftsBestFirst:
         self.log_probs[len(self.tokens)] = -cost
         self.tokens.append(token)
         self.parents.append(parent)
-        self.depths.append(self.depths[parent] + 1 if parent >= 0 else 1)
 
     def read_newest(self, slot: int) -> tuple[int, torch.Tensor, int, torch.Tensor | None]:
         """The drafter's input for the newest draft, whose keys/values go to `slot`: its token, the
@@ -189,7 +187,7 @@ class DraftsBestFirst:
             mask[0, : self.num_context] = True
             mask[0, ancestors + [slot]] = True
         # One position past its parent's; the committed tokens' last sits at num_context - 1.
-        position = self.num_context + self.depths[draft] - 1
+        position = self.num_context + len(ancestors)
         return self.tokens[draft], self.hidden[self.parents[draft]], position, mask
 
 
