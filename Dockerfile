@@ -15,6 +15,14 @@ COPY operator ./operator
 COPY runtime ./runtime
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
+# The block-quantised matrix-product kernels (runtime/specserve_runtime/blockquant.py), built once on the
+# full Python image, which has gcc: its name and flags are blockquant's own (tests/operator/test_images.py).
+# No -march: the library picks AVX-512 or AVX2 per CPU at run time, so it runs on any x86-64 node.
+FROM python:3.11.7-bookworm AS kernels
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+COPY runtime/specserve_runtime/blockquant.c /src/
+RUN mkdir /kernels && gcc -O3 -fopenmp -shared -fPIC -o "/kernels/blockquant-$(sha256sum /src/blockquant.c | cut -c1-16).so" /src/blockquant.c
+
 FROM python:3.11.7-slim-bookworm AS operator
 ARG SPECSERVE_VERSION=0.1.0
 RUN useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin specserve
@@ -32,7 +40,8 @@ RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu \
         "torch==2.13.0+cpu" "specserve[runtime] @ file:///wheels/specserve-${SPECSERVE_VERSION}-py3-none-any.whl"
 COPY runtime/specserve_runtime/drafters/weights/ /opt/specserve/drafters/
-ENV SPECSERVE_CACHE=/cache HF_HOME=/cache/huggingface
+COPY --from=kernels /kernels/ /opt/specserve/kernels/
+ENV SPECSERVE_CACHE=/cache HF_HOME=/cache/huggingface SPECSERVE_KERNELS=/opt/specserve/kernels
 USER 10001
 EXPOSE 8000
 ENTRYPOINT ["specserve"]

@@ -20,7 +20,7 @@ import torch
 
 from .drafters import ProposerOptions
 from .engine import Request
-from .layers import PackedLinear, separate_projections, unpacked_weights
+from .layers import PackedLinear, separate_projections, weight_layouts
 from .loader import LoadedModel, build_engine
 from .model import Segment
 from .verify import SamplingParams
@@ -66,13 +66,15 @@ class Baseline:
     """Another implementation decoding greedily from the engine's prompt token ids, timed end to end."""
 
     label: str  # its row in the table
-    backend: str  # "hf": transformers' generate() on the fp32 folder; "llamacpp": llama.cpp on a GGUF (llamacpp.py)
+    backend: str  # "hf": transformers' generate() on the fp32 folder; "llamacpp": llama.cpp on a GGUF (llamacpp.py);
+    #               "engine": the engine's plain decoding with its weights in oneDNN's float32 layout only
     lookup: bool = False  # prompt-lookup drafting, PROMPT_LOOKUP_TOKENS per step
     quantisation: str | None = None  # llama.cpp's weights; q4_1 holds the very values the engine runs in fp32
 
 
 # --baselines names; a group stands for its members
 BASELINES = {
+    "onednn": Baseline("ar-onednn", "engine"),
     "hf": Baseline("hf-greedy", "hf"),
     "prompt-lookup": Baseline("hf-prompt-lookup", "hf", lookup=True),
     **{f"llamacpp-{q}{lookup}": Baseline(f"llamacpp-{q}{lookup}", "llamacpp", bool(lookup), q)
@@ -227,7 +229,21 @@ def _llamacpp_runners(model: LoadedModel, baselines: list[Baseline], context: in
     return runners
 
 
-BACKENDS = {"hf": _hf_runners, "llamacpp": _llamacpp_runners}
+def _engine_runners(model: LoadedModel, baselines: list[Baseline], context: int, threads: int,
+                    log) -> dict[str, Runner]:
+    """`ar` as the engine ran before blockquant: every matrix product on oneDNN's float32 layout."""
+    engine = build_engine(model, "ar")
+
+    def generate(ids: list[int], max_new_tokens: int):
+        started = time.perf_counter()
+        with weight_layouts(model.target, onednn=True):
+            result = engine.generate(Request(ids, max_new_tokens))
+        return result.token_ids, time.perf_counter() - started, result.prefill_seconds
+
+    return {baseline.label: generate for baseline in baselines}
+
+
+BACKENDS = {"engine": _engine_runners, "hf": _hf_runners, "llamacpp": _llamacpp_runners}
 
 
 def _hf_model(model: LoadedModel):
@@ -374,11 +390,16 @@ def _agreement(name: str, entry: dict) -> str:
     return "yes" if same or name == "ar" else "-"
 
 
+# The PackedLinear layouts `bench --kernels` times side by side: the engine's (GGUF blocks where the weights are
+# exactly blocks, oneDNN's layout otherwise and past BLOCKQUANT_MAX_ROWS rows), oneDNN's alone, torch's F.linear.
+WEIGHT_LAYOUTS = {"blocks": {"blocks": True, "onednn": True}, "onednn": {"onednn": True}, "plain": {}}
+
+
 def decode_floor(model: LoadedModel, prefix: int = 300, runs: int = 20) -> dict:
     """One-token decode step of the engine (fused and separate projections) against the bare
     chain of the model's matrix products (every weight once, one token, inputs preallocated);
-    the verify forward by tokens and the batched decode step by sequences, with packed weights
-    and with torch's plain F.linear (layers.PackedLinear); and a decode step of 8 sequences that a
+    the verify forward by tokens and the batched decode step by sequences, in each of WEIGHT_LAYOUTS
+    (layers.PackedLinear); and a decode step of 8 sequences that a
     prompt chunk joins, by the chunk's tokens (what chunked prefill adds to the others' ITL)."""
     target = model.target
     linears = [(name, m) for name, m in target.named_modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
@@ -422,8 +443,8 @@ def decode_floor(model: LoadedModel, prefix: int = 300, runs: int = 20) -> dict:
 
     timings = {"decode_8_with_prompt_chunk_ms_by_tokens": {n: _median_ms(lambda n=n: chunked_step(n), runs)
                                                             for n in chunks}}
-    for layout, context in (("packed", contextlib.nullcontext), ("plain", lambda: unpacked_weights(target))):
-        with context():
+    for layout, kept in WEIGHT_LAYOUTS.items():
+        with weight_layouts(target, **kept):
             timings[f"verify_ms_by_tokens_{layout}"] = {n: _median_ms(lambda n=n: verify_step(n), runs) for n in range(1, 9)}
             timings[f"batch_ms_by_sequences_{layout}"] = {n: _median_ms(lambda n=n: batch_step(n), runs) for n in (1, 2, 4, 8)}
     for name, fn in (("decode_step_ms", decode_step), ("decode_step_separate_ms", decode_step_separate),

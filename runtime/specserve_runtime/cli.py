@@ -306,8 +306,9 @@ def cmd_launch(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from .bench import (batched_drafting_ms, closed_loop, closed_loop_table, decode_floor, held_out_sample, machine,
-                        method_spec, parse_baselines, performance_block, run_bench, scenario_method, summarize, table)
+    from .bench import (WEIGHT_LAYOUTS, batched_drafting_ms, closed_loop, closed_loop_table, decode_floor, held_out_sample,
+                        machine, method_spec, parse_baselines, performance_block, run_bench, scenario_method, summarize,
+                        table)
     from .loader import load_model
     from .training.prompts import PROMPTS_FILE
 
@@ -379,7 +380,7 @@ def cmd_bench(args) -> None:
         print(f"\none decode step (300-token prefix): {kernels['decode_step_ms']} ms fused, "
               f"{kernels['decode_step_separate_ms']} ms with separate q/k/v and gate/up products; "
               f"bare matrix-product chain: {kernels['matmul_floor_ms']} ms")
-        for layout in ("packed", "plain"):
+        for layout in WEIGHT_LAYOUTS:
             print(f"verify forward (ms) by tokens verified (last token + drafts), {layout} weights: "
                   + ", ".join(f"{n}: {ms}" for n, ms in kernels[f"verify_ms_by_tokens_{layout}"].items()))
             print(f"batched decode step (ms) by sequences, {layout} weights: "
@@ -517,7 +518,8 @@ def build_parser() -> Parser:
     bench.add_argument("--methods", default="ar,ngram,eagle3,dflash",
                        help="comma list; METHOD:K drafts K tokens per step (e.g. dflash:3), else the drafter's default; "
                        "METHOD[:K]@FOLDER benches the drafter in FOLDER (e.g. a training run's drafter/) instead of the bundled one")
-    bench.add_argument("--baselines", help="comma list: hf (transformers generate), prompt-lookup (its assisted mode), "
+    bench.add_argument("--baselines", help="comma list: onednn (ar with float32 weights, without blockquant), "
+                       "hf (transformers generate), prompt-lookup (its assisted mode), "
                        "llamacpp-q4_1 and llamacpp-q8_0 (llama.cpp on the GGUF weights; pip install "
                        "'specserve[llamacpp]'), each with -lookup for llama.cpp's prompt lookup; llamacpp: all four")
     bench.add_argument("--model", default=DEFAULT_MODEL)

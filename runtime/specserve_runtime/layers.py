@@ -11,6 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import blockquant
+
+BLOCKQUANT_MAX_ROWS = 8  # past it oneDNN is faster: docs/benchmarks.md, "Item 1 done"
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -54,14 +58,20 @@ def _fuse(*linears: nn.Linear) -> torch.Tensor:
 
 
 class PackedLinear(nn.Module):
-    """An inference-only, bias-free linear map that also keeps its weight in oneDNN's blocked layout.
+    """An inference-only, bias-free linear map that also keeps its weight in faster layouts.
 
-    Why: torch's float32 F.linear runs MKL's GEMM, which on the AVX2 AMD EPYC we measured costs
-    about 2x for 2 rows and 3x for 3 rows what it costs for 1, while oneDNN's kernels on a
-    prepacked weight cost the same for 1-3 rows and 1.6x for 8 (docs/benchmarks.md, "Packed
-    weights"). Rows are what verifying drafts and batching sequences add. The plain weight stays:
-    views, the tied embedding and the drafters' heads read it. Results equal F.linear's up to
-    float32 rounding (another summation order).
+    Why: a decode step's matrix products are most of its time, and rows are what verifying
+    drafts and batching sequences add. Two layouts, the first that applies:
+    - the GGUF file's own blocks (blockquant.py), where the weight's float32 values are exactly
+      Q4_1 or Q8_0 blocks (the default target's are): the same values from 3.6x (Q8_0) to 5.3x
+      (Q4_1) fewer bytes, each row's product the same bits whatever the rows beside it; up to
+      BLOCKQUANT_MAX_ROWS rows, past which the kernel's float32 FMAs cost more than oneDNN's GEMM;
+    - oneDNN's blocked layout, prepacked once: torch's float32 F.linear runs MKL's GEMM, which on
+      the AVX2 AMD EPYC we measured costs about 2x for 2 rows and 3x for 3 rows what it costs for
+      1, while oneDNN's kernels cost the same for 1-3 rows and 1.6x for 8 (docs/benchmarks.md,
+      "Packed weights").
+    The plain weight stays: views, the tied embedding and the drafters' heads read it. Results
+    equal F.linear's up to float32 rounding (another summation order).
     """
 
     def __init__(self, weight: torch.Tensor):
@@ -72,9 +82,13 @@ class PackedLinear(nn.Module):
             self.register_buffer("weight", weight, persistent=False)  # a fused weight is not in checkpoints
         self.out_features = weight.shape[0]
         self.packed = _onednn_layout(weight)
+        self.blocks = blockquant.exact_blocks(weight) if blockquant.enabled() else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None or x.shape[0] == 0:  # oneDNN's linear refuses an empty input
+        rows = x.numel() // x.shape[-1]
+        if self.blocks is not None and 0 < rows <= BLOCKQUANT_MAX_ROWS:
+            return blockquant.linear(x, self.blocks)
+        if self.packed is None or rows == 0:  # oneDNN's linear refuses an empty input
             return F.linear(x, self.weight)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
@@ -113,16 +127,18 @@ def separate_projections(model: nn.Module):
 
 
 @contextlib.contextmanager
-def unpacked_weights(model: nn.Module):
-    """Run a model's PackedLinears on their plain weights (torch's F.linear), for side-by-side timing."""
-    packed = [(m, m.packed) for m in model.modules() if isinstance(m, PackedLinear)]
-    for module, _ in packed:
-        module.packed = None
+def weight_layouts(model: nn.Module, blocks: bool = False, onednn: bool = False):
+    """Run a model's PackedLinears with only the layouts named (for side-by-side timing and tests):
+    by default neither, i.e. torch's F.linear on the plain weight."""
+    saved = [(m, m.blocks, m.packed) for m in model.modules() if isinstance(m, PackedLinear)]
+    for module, kept_blocks, kept_packed in saved:
+        module.blocks = kept_blocks if blocks else None
+        module.packed = kept_packed if onednn else None
     try:
         yield
     finally:
-        for module, layout in packed:
-            module.packed = layout
+        for module, kept_blocks, kept_packed in saved:
+            module.blocks, module.packed = kept_blocks, kept_packed
 
 
 class RotaryEmbedding(nn.Module):

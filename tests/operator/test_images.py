@@ -49,7 +49,7 @@ def test_hadolint_finds_nothing():
 
 def test_bases_are_pinned_to_exact_tags():
     bases = [line.split()[1] for stage in stages().values() for line in stage if line.startswith("FROM ")]
-    assert len(bases) == 4
+    assert len(bases) == 5
     for image in bases:
         assert re.fullmatch(r"[\w./-]+:v?\d+\.\d+\.\d+[\w.-]*|[\w./-]+@sha256:[0-9a-f]{64}", image), image
 
@@ -63,6 +63,19 @@ def test_final_stages_run_as_the_non_root_user_the_pods_run_as():
         assert instructions(stage, "ENTRYPOINT") == ['["specserve"]'], target
         # Nothing compiles in a final stage: the wheel comes from the build stage.
         assert not any(tool in line for line in instructions(stage, "RUN") for tool in ("apt-get", "gcc", "pip wheel"))
+
+
+def test_the_cpu_image_ships_the_kernels_blockquant_would_build_and_looks_for_them_where_they_are():
+    from specserve_runtime import blockquant
+
+    kernels, runtime_cpu = stages()["kernels"], stages()["runtime-cpu"]
+    source = "runtime/specserve_runtime/blockquant.c"
+    assert instructions(kernels, "COPY") == [f"{source} /src/"] and blockquant.SOURCE.samefile(source)
+    name = '"/kernels/blockquant-$(sha256sum /src/blockquant.c | cut -c1-16).so"'  # blockquant.library_name()
+    assert instructions(kernels, "RUN") == [f"mkdir /kernels && gcc {' '.join(blockquant.CFLAGS)} -o {name} /src/blockquant.c"]
+    assert blockquant.library_name() == f"blockquant-{subprocess.check_output(['sha256sum', source], text=True)[:16]}.so"
+    assert "--from=kernels /kernels/ /opt/specserve/kernels/" in instructions(runtime_cpu, "COPY")
+    assert "SPECSERVE_KERNELS=/opt/specserve/kernels" in instructions(runtime_cpu, "ENV")[-1].split()
 
 
 def test_image_names_and_tags_agree_with_the_operator_and_the_chart():
@@ -112,6 +125,7 @@ def test_the_build_context_keeps_what_the_dockerfile_copies_and_leaves_out_the_r
     # .dockerignore entries are plain paths here (no patterns that need Docker's matcher to read).
     ignored = [line for line in Path(".dockerignore").read_text().splitlines() if line and not line.startswith("#")]
     sources = [source.rstrip("/") for stage in stages().values() for line in instructions(stage, "COPY")
+               if not line.startswith("--from=")  # another stage's files, not the context's
                for source in line.split()[:-1]]  # the last word is the destination
     assert "runtime" in sources and "operator" in sources
     for source in sources:

@@ -44,6 +44,39 @@ def tiny_llama(tiny_llama_dir):
     return load_target(tiny_llama_dir)
 
 
+def gguf_values(weight: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The float32 values a GGUF file's Q4_1 or Q8_0 blocks of this weight decode to (llama.cpp's quantisers)."""
+    rows = weight.reshape(weight.shape[0], -1, 32)
+    if fmt == "Q4_1":
+        low = rows.amin(-1, keepdim=True)
+        scale = ((rows.amax(-1, keepdim=True) - low) / 15).half().float()
+        q = torch.round((rows - low) / torch.where(scale == 0, 1.0, scale)).clamp(0, 15)
+        return (q * scale + low.half().float()).reshape(weight.shape)
+    scale = (rows.abs().amax(-1, keepdim=True) / 127).half().float()
+    q = torch.round(rows / torch.where(scale == 0, 1.0, scale)).clamp(-127, 127)
+    return (q * scale).reshape(weight.shape)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_blocks(tmp_path_factory):
+    """The tiny llama with weights as the default target's GGUF file stores them: layers in Q4_1, the tied embedding
+    in Q8_0; so its PackedLinears run the block-quantised kernels (blockquant.py)."""
+    folder = tmp_path_factory.mktemp("tiny-llama-blocks")
+    model = save_tiny_hf_model(folder, "llama")
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() == 2:
+                parameter.copy_(gguf_values(parameter, "Q8_0" if "embed_tokens" in name else "Q4_1"))
+    model.save_pretrained(folder)
+    return load_target(folder)
+
+
+@pytest.fixture(params=["tiny_llama", "tiny_llama_blocks"])
+def tiny_target(request):
+    """Each tiny llama in turn: float32 weights (oneDNN's products), then GGUF block values (blockquant's)."""
+    return request.getfixturevalue(request.param)
+
+
 class ByteTokenizer:
     """Enough of a tokenizer for the engine's stop handling on tiny models: token id i is chr(65 + i)."""
 

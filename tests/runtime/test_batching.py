@@ -65,8 +65,8 @@ def run_batched(engine: Engine, requests: list[Request], joins: dict[int, int]):
 
 @pytest.mark.parametrize("method", PROPOSERS)
 @pytest.mark.parametrize("token_budget", [512, 16])
-def test_each_sequence_of_a_batch_decodes_exactly_as_it_would_alone(tiny_llama, method, token_budget):
-    engine = build(tiny_llama, method, token_budget)
+def test_each_sequence_of_a_batch_decodes_exactly_as_it_would_alone(tiny_target, method, token_budget):
+    engine = build(tiny_target, method, token_budget)
     alone = [engine.generate(request) for request in requests()]
     together, sizes = run_batched(engine, requests(), joins={1: 2, 4: 5, 6: 9})
     assert max(sizes) >= 5 and len(set(sizes)) > 2  # a real batch, joined and left as it ran

@@ -370,7 +370,7 @@ def test_the_kernel_timings_cover_every_shape_they_print(tiny_llama, tiny_llama_
 
     timings = decode_floor(LoadedModel(tiny_llama_dir, tiny_llama, ByteTokenizer(), {2}), prefix=40, runs=3)
     assert set(timings["decode_8_with_prompt_chunk_ms_by_tokens"]) == {0, 16, 32, 64, 128}
-    for layout in ("packed", "plain"):
+    for layout in ("blocks", "onednn", "plain"):
         assert set(timings[f"verify_ms_by_tokens_{layout}"]) == set(range(1, 9))
         assert set(timings[f"batch_ms_by_sequences_{layout}"]) == {1, 2, 4, 8}
     numbers = [timings[name] for name in ("decode_step_ms", "decode_step_separate_ms", "matmul_floor_ms")]

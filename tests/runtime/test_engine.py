@@ -160,12 +160,12 @@ def test_stop_string_ends_generation_without_emitting_text_past_it(tiny_llama):
 
 
 @pytest.mark.parametrize("method", ["ngram", "eagle3", "eagle3-tree", "dflash", "dflash-tree"])
-def test_random_drafters_are_lossless_on_a_tiny_target(tiny_llama, method):
+def test_random_drafters_are_lossless_on_a_tiny_target(tiny_target, method):
     method, _, tree = method.partition("-")
     options = ProposerOptions("random", 3 if method != "dflash" else 5, mask_token_id=95, seed=1, draft_tree=bool(tree))
-    proposer = build_proposer(method, tiny_llama, options)
-    result = engine(tiny_llama, proposer).generate(Request(PROMPT, 40))
-    assert result.token_ids == greedy(tiny_llama).token_ids
+    proposer = build_proposer(method, tiny_target, options)
+    result = engine(tiny_target, proposer).generate(Request(PROMPT, 40))
+    assert result.token_ids == greedy(tiny_target).token_ids
     assert result.num_draft_tokens > 0
 
 
@@ -208,17 +208,17 @@ class ArgmaxProposer(OracleProposer):
 
 
 @pytest.mark.parametrize("proposer_name", ["argmax", "dflash", "dflash-tree", "eagle3-tree"])
-def test_speculative_sampling_follows_the_target_distribution(tiny_llama, proposer_name):
+def test_speculative_sampling_follows_the_target_distribution(tiny_target, proposer_name):
     params = SamplingParams(temperature=0.8)
     prompt = PROMPT[:4]
-    joint = _exact_two_token_distribution(tiny_llama, prompt, params)
+    joint = _exact_two_token_distribution(tiny_target, prompt, params)
     if proposer_name == "argmax":
-        proposer = ArgmaxProposer(tiny_llama)
+        proposer = ArgmaxProposer(tiny_target)
     else:
         method, _, tree = proposer_name.partition("-")
         options = ProposerOptions("random", 3, mask_token_id=95, seed=0, draft_tree=bool(tree))
-        proposer = build_proposer(method, tiny_llama, options)
-    spec = engine(tiny_llama, proposer)
+        proposer = build_proposer(method, tiny_target, options)
+    spec = engine(tiny_target, proposer)
     counts = torch.zeros_like(joint)
     accepted = 0
     for seed in range(3000):

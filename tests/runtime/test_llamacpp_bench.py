@@ -26,7 +26,7 @@ def test_baselines_are_named_as_in_the_table_and_a_group_stands_for_its_members(
     assert [(b.label, b.backend, b.lookup, b.quantisation) for b in chosen] == [
         ("llamacpp-q8_0-lookup", "llamacpp", True, "q8_0"), ("hf-greedy", "hf", False, None)]
     assert parse_baselines(None) == [] and parse_baselines("") == []
-    with pytest.raises(ValueError, match=r"unknown baseline: llamacpp-q5_0 \(baselines hf, prompt-lookup, llamacpp-"):
+    with pytest.raises(ValueError, match=r"unknown baseline: llamacpp-q5_0 \(baselines onednn, hf, prompt-lookup, llamacpp-"):
         parse_baselines("hf,llamacpp-q5_0")
 
 

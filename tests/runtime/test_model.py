@@ -164,7 +164,7 @@ def test_fused_projections_share_storage_and_compute_the_same(tiny_llama):
 
 def test_packed_linears_compute_what_f_linear_computes(tiny_llama):
     """load_target packs every matrix product (the LM head too, still tied to the embedding)."""
-    from specserve_runtime.layers import PackedLinear, unpacked_weights
+    from specserve_runtime.layers import PackedLinear, weight_layouts
 
     assert tiny_llama.lm_head.weight is tiny_llama.embed_tokens.weight
     packed = [m for m in tiny_llama.modules() if isinstance(m, PackedLinear)]
@@ -175,7 +175,7 @@ def test_packed_linears_compute_what_f_linear_computes(tiny_llama):
         torch.testing.assert_close(tiny_llama.lm_head(x), x @ tiny_llama.lm_head.weight.T, rtol=1e-4, atol=1e-4)
     tokens = torch.tensor([5, 17, 42, 8])
     logits = tiny_llama(tokens, tiny_llama.new_cache(8)).logits
-    with unpacked_weights(tiny_llama):
+    with weight_layouts(tiny_llama):
         assert all(m.packed is None for m in packed)
         plain = tiny_llama(tokens, tiny_llama.new_cache(8)).logits
     assert all(m.packed is not None for m in packed) == torch.backends.mkldnn.is_available()

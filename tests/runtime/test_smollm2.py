@@ -58,9 +58,9 @@ def test_greedy_speculative_output_is_token_identical_to_ar(smollm2, engines, re
 
 
 def test_bundled_drafters_verify_their_measured_number_of_drafts(engines):
-    for method in ("dflash", "eagle3"):  # config.json's specserve_operating_point: trees of 4
+    for method in ("dflash", "eagle3"):  # config.json's specserve_operating_point: trees of 3
         proposer = engines[f"{method}-bundled"].proposer
-        assert (proposer.num_speculative_tokens, proposer.tree) == (4, True)
+        assert (proposer.num_speculative_tokens, proposer.tree) == (3, True)
     whole_block = engines["dflash-bundled-7"].proposer  # a count on request: a chain, the whole block
     assert (whole_block.num_speculative_tokens, whole_block.tree) == (7, False)
 
@@ -69,7 +69,7 @@ def test_bundled_drafters_verify_their_measured_number_of_drafts(engines):
 def test_a_bundled_drafter_given_by_path_runs_at_its_operating_point_too(smollm2, tmp_path):
     """The operator renders `draftModel: bundled://NAME` as the runtime image's copy of the folder
     (BUNDLED_DRAFTERS_DIR/NAME), a --drafter path: the operating point travels in its config.json."""
-    for method, point in [("dflash", (4, True)), ("eagle3", (4, True))]:
+    for method, point in [("dflash", (3, True)), ("eagle3", (3, True))]:
         image_copy = shutil.copytree(DEFAULT_DRAFTERS[method], tmp_path / BUNDLED_DRAFTERS_DIR.lstrip("/") / method)
         proposer = build_proposer(method, smollm2.target, ProposerOptions(str(image_copy)))
         assert (proposer.num_speculative_tokens, proposer.tree) == point

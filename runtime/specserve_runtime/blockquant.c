@@ -1,0 +1,142 @@
+/* Matrix products on block-quantised weights, read in the GGUF file's own values.
+
+   y[m, n] = sum_k x[m, k] * w[n, k], where every block of 32 weights along k is stored as
+     Q4_1: w = d * q + min, q in 0..15, two per byte (byte j of a block: q[j] low, q[j+16] high)
+     Q8_0: w = d * q,       q in -127..127, one per byte
+   with d and min per block in float32 (they come from the file's float16, so d * q is exact and
+   d * q + min rounds once, exactly as the float32 copy of the weights did).
+
+   Why: a one-token decode step reads every weight once and is bound by those reads. float32
+   weights are 4 bytes; these are 0.5 + 8/32 (Q4_1) and 1 + 4/32 (Q8_0).
+
+   Each output is summed in one fixed order (two 16-lane or four 8-lane partial sums over k, then
+   one reduction), whatever the number of rows m and whichever thread computes it: a row gives
+   the same bits alone as among others, so verifying drafts, batching sequences and one-token
+   decoding compute identical matrix products. */
+
+#include <stdint.h>
+#include <immintrin.h>
+
+#define BLOCK 32
+
+/* ---- AVX-512: 8 rows of x at a time, 2 partial sums of 16 lanes per row ---- */
+
+#define TILE512 8
+
+__attribute__((target("avx512f,avx512bw")))
+static inline __m512 q4_half512(const uint8_t *bytes, int high, __m512 d, __m512 mn) {
+    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
+    q = high ? _mm512_srli_epi32(q, 4) : _mm512_and_si512(q, _mm512_set1_epi32(15));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, mn);
+}
+
+__attribute__((target("avx512f,avx512bw")))
+static inline __m512 q8_half512(const int8_t *q, __m512 d) {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), d);
+}
+
+__attribute__((target("avx512f,avx512bw")))
+static void linear512(const float *x, int64_t rows, int64_t k, const uint8_t *q4, const int8_t *q8,
+                      const float *scale, const float *minimum, int64_t n_out, float *y) {
+    const int64_t blocks = k / BLOCK;
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < n_out; n++) {
+        for (int64_t r0 = 0; r0 < rows; r0 += TILE512) {
+            const int tile = rows - r0 < TILE512 ? (int)(rows - r0) : TILE512;
+            __m512 lo[TILE512], hi[TILE512];
+            for (int r = 0; r < tile; r++) lo[r] = hi[r] = _mm512_setzero_ps();
+            for (int64_t b = 0; b < blocks; b++) {
+                const __m512 d = _mm512_set1_ps(scale[n * blocks + b]);
+                __m512 w_lo, w_hi;
+                if (q4) {
+                    const __m512 mn = _mm512_set1_ps(minimum[n * blocks + b]);
+                    const uint8_t *bytes = q4 + (n * blocks + b) * (BLOCK / 2);
+                    w_lo = q4_half512(bytes, 0, d, mn);
+                    w_hi = q4_half512(bytes, 1, d, mn);
+                } else {
+                    const int8_t *q = q8 + (n * blocks + b) * BLOCK;
+                    w_lo = q8_half512(q, d);
+                    w_hi = q8_half512(q + 16, d);
+                }
+                const float *xb = x + r0 * k + b * BLOCK;
+                for (int r = 0; r < tile; r++) {
+                    lo[r] = _mm512_fmadd_ps(w_lo, _mm512_loadu_ps(xb + r * k), lo[r]);
+                    hi[r] = _mm512_fmadd_ps(w_hi, _mm512_loadu_ps(xb + r * k + 16), hi[r]);
+                }
+            }
+            for (int r = 0; r < tile; r++)
+                y[(r0 + r) * n_out + n] = _mm512_reduce_add_ps(_mm512_add_ps(lo[r], hi[r]));
+        }
+    }
+}
+
+/* ---- AVX2: 4 rows of x at a time, 4 partial sums of 8 lanes per row ---- */
+
+#define TILE256 4
+
+__attribute__((target("avx2,fma")))
+static inline float sum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+__attribute__((target("avx2,fma")))
+static void linear256(const float *x, int64_t rows, int64_t k, const uint8_t *q4, const int8_t *q8,
+                      const float *scale, const float *minimum, int64_t n_out, float *y) {
+    const int64_t blocks = k / BLOCK;
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < n_out; n++) {
+        for (int64_t r0 = 0; r0 < rows; r0 += TILE256) {
+            const int tile = rows - r0 < TILE256 ? (int)(rows - r0) : TILE256;
+            __m256 acc[TILE256][4];
+            for (int r = 0; r < tile; r++)
+                for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
+            for (int64_t b = 0; b < blocks; b++) {
+                const __m256 d = _mm256_set1_ps(scale[n * blocks + b]);
+                __m256 w[4];
+                if (q4) {
+                    const __m256 mn = _mm256_set1_ps(minimum[n * blocks + b]);
+                    const uint8_t *bytes = q4 + (n * blocks + b) * (BLOCK / 2);
+                    for (int j = 0; j < 2; j++) {
+                        __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + 8 * j)));
+                        w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(15))), d, mn);
+                        w[j + 2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), d, mn);
+                    }
+                } else {
+                    const int8_t *q = q8 + (n * blocks + b) * BLOCK;
+                    for (int j = 0; j < 4; j++)
+                        w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * j)))), d);
+                }
+                const float *xb = x + r0 * k + b * BLOCK;
+                for (int r = 0; r < tile; r++)
+                    for (int j = 0; j < 4; j++)
+                        acc[r][j] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xb + r * k + 8 * j), acc[r][j]);
+            }
+            for (int r = 0; r < tile; r++)
+                y[(r0 + r) * n_out + n] = sum256(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]),
+                                                               _mm256_add_ps(acc[r][2], acc[r][3])));
+        }
+    }
+}
+
+/* ---- entry points (ctypes) ---- */
+
+/* The widest instruction set this CPU runs: 2 = AVX-512, 1 = AVX2 with FMA, 0 = neither. */
+int blockquant_best_isa(void) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return 2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+    return 0;
+}
+
+/* y[rows, n_out] = x[rows, k] @ w[n_out, k]^T; exactly one of q4 (with minimum) and q8 is given. */
+int blockquant_linear(int isa, const float *x, int64_t rows, int64_t k, const uint8_t *q4, const int8_t *q8,
+                      const float *scale, const float *minimum, int64_t n_out, float *y) {
+    if (k % BLOCK != 0 || (q4 == 0) == (q8 == 0) || (q4 && minimum == 0)) return -1;
+    if (isa == 2) linear512(x, rows, k, q4, q8, scale, minimum, n_out, y);
+    else if (isa == 1) linear256(x, rows, k, q4, q8, scale, minimum, n_out, y);
+    else return -1;
+    return 0;
+}

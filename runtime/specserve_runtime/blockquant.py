@@ -1,0 +1,159 @@
+"""Matrix products on the GGUF file's own block-quantised weights (blockquant.c).
+
+The default target's float32 weights are decoded from a GGUF file (store.py): every 32 weights
+along a row of a layer's matrix are d * q + min of one Q4_1 block, and the embedding's (the tied
+LM head's) d * q of one Q8_0 block. `exact_blocks` finds those blocks again, and keeps them only
+if they give back every float32 value bit for bit, so the kernel multiplies by exactly the
+weights the float32 path does, from 3.6x (Q8_0) to 5.3x (Q4_1) fewer bytes (a one-token step reads every weight once
+and is bound by those reads). Other weights (a trained drafter's, a checkpoint in float32) have
+no such blocks and keep oneDNN's layout (layers.PackedLinear).
+
+The kernel is plain C with AVX-512 and AVX2 paths chosen at run time, compiled once per source
+into the cache on first use (a C compiler is needed then; images ship it built, Dockerfile). It
+sums each output in one fixed order whatever the number of rows, so a row's product has the
+same bits alone, in a verify block or in a batch. Set SPECSERVE_BLOCKQUANT=0 to turn it off.
+"""
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .store import cache_root
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("blockquant.c")
+BLOCK = 32
+# The compiler's flags: no -march, the source picks its instruction set per CPU at run time, so
+# one build runs on any x86-64 machine. OpenMP resolves to the libgomp torch has already loaded.
+CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+ISA_NAMES = {2: "AVX-512", 1: "AVX2"}
+
+
+@dataclass
+class Blocks:
+    """A [n, k] weight as blocks of 32 along k: Q4_1 (`nibbles`, `scale`, `minimum`) or Q8_0 (`int8`, `scale`)."""
+    shape: tuple[int, int]
+    scale: torch.Tensor  # [n, k / 32] float32 (float16 values, as in the GGUF file: float32 reads faster)
+    minimum: torch.Tensor | None = None  # Q4_1: [n, k / 32] float32
+    nibbles: torch.Tensor | None = None  # Q4_1: [n, k / 32, 16] uint8, byte j = q[j] | q[j + 16] << 4
+    int8: torch.Tensor | None = None  # Q8_0: [n, k / 32, 32] int8
+
+    @property
+    def format(self) -> str:
+        return "Q4_1" if self.nibbles is not None else "Q8_0"
+
+    def dequantize(self) -> torch.Tensor:
+        if self.nibbles is not None:
+            q = torch.cat([self.nibbles & 15, self.nibbles >> 4], dim=-1).float()
+            values = q * self.scale[..., None] + self.minimum[..., None]
+        else:
+            values = self.int8.float() * self.scale[..., None]
+        return values.reshape(self.shape)
+
+
+def exact_blocks(weight: torch.Tensor) -> Blocks | None:
+    """The weight as Q4_1 or Q8_0 blocks if every float32 value is exactly one block's value; else None.
+
+    A Q4_1 block's smallest value is its minimum (q = 0) and its largest minimum + 15 d, both
+    float16 numbers, so d and the minimum are read off each block; Q8_0's largest magnitude is
+    127 d. The blocks are kept only if decoding them gives the weight back bit for bit.
+    """
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.shape[1] % BLOCK:
+        return None
+    rows = weight.detach().reshape(weight.shape[0], -1, BLOCK)
+    low, high = rows.amin(-1), rows.amax(-1)
+    scale = ((high - low) / 15).half().float()
+    minimum = low.half().float()
+    q = torch.round((rows - minimum[..., None]) / torch.where(scale == 0, 1.0, scale)[..., None])
+    if torch.equal(q.clamp(0, 15) * scale[..., None] + minimum[..., None], rows):
+        q = q.to(torch.uint8)
+        nibbles = (q[..., :16] | (q[..., 16:] << 4)).contiguous()
+        return Blocks(tuple(weight.shape), scale.contiguous(), minimum.contiguous(), nibbles=nibbles)
+    scale = (rows.abs().amax(-1) / 127).half().float()
+    q = torch.round(rows / torch.where(scale == 0, 1.0, scale)[..., None])
+    if torch.equal(q.clamp(-127, 127) * scale[..., None], rows):
+        return Blocks(tuple(weight.shape), scale.contiguous(), int8=q.to(torch.int8).contiguous())
+    return None
+
+
+def linear(x: torch.Tensor, blocks: Blocks, isa: int | None = None) -> torch.Tensor:
+    """x @ weight.T for a float32 x of any leading shape (`isa` picks a narrower path, for tests)."""
+    kernels = library()
+    n, k = blocks.shape
+    rows = x.reshape(-1, k).contiguous()
+    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    status = kernels.blockquant_linear(
+        best_isa() if isa is None else isa, rows.data_ptr(), rows.shape[0], k,
+        blocks.nibbles.data_ptr() if blocks.nibbles is not None else None,
+        blocks.int8.data_ptr() if blocks.int8 is not None else None,
+        blocks.scale.data_ptr(), blocks.minimum.data_ptr() if blocks.minimum is not None else None, n, out.data_ptr())
+    if status != 0:
+        raise ValueError(f"blockquant_linear refused a {blocks.format} [{n}, {k}] product on ISA {isa}")
+    return out.reshape(*x.shape[:-1], n)
+
+
+def best_isa() -> int:
+    """2 for AVX-512, 1 for AVX2 with FMA, 0 for neither (the kernel then does not run)."""
+    kernels = library()
+    return kernels.blockquant_best_isa() if kernels else 0
+
+
+def enabled() -> bool:
+    return best_isa() > 0
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (with the reason logged once) where they cannot run here."""
+    if os.environ.get("SPECSERVE_BLOCKQUANT", "1") == "0":
+        return None
+    try:
+        kernels = ctypes.CDLL(str(build()))
+    except OSError as exc:  # no compiler, a failed build, a library that does not load
+        log.warning("block-quantised kernels unavailable, float32 weights instead: %s", exc)
+        return None
+    kernels.blockquant_best_isa.restype = ctypes.c_int
+    kernels.blockquant_linear.restype = ctypes.c_int
+    kernels.blockquant_linear.argtypes = [
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    if kernels.blockquant_best_isa() == 0:
+        log.warning("block-quantised kernels need AVX-512 or AVX2 with FMA: float32 weights instead")
+        return None
+    return kernels
+
+
+def library_name() -> str:
+    """blockquant-<the source's SHA-256, 16 hex digits>.so: a changed source is a new build."""
+    return f"blockquant-{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}.so"
+
+
+def build(compiler: str | None = None) -> Path:
+    """The kernels' shared library: prebuilt in $SPECSERVE_KERNELS (images) or the cache, else compiled there now."""
+    for folder in (os.environ.get("SPECSERVE_KERNELS"), cache_root() / "kernels"):
+        if folder and (Path(folder) / library_name()).is_file():
+            return Path(folder) / library_name()
+    compiler = compiler or os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        raise OSError(f"no C compiler {compiler!r} on PATH to build {SOURCE.name} (set CC, or build it into "
+                                f"$SPECSERVE_KERNELS as the Dockerfile does)")
+    target = cache_root() / "kernels" / library_name()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, renamed in: concurrent builds are safe
+        built = Path(tmp) / target.name
+        result = subprocess.run([compiler, *CFLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise OSError(f"{compiler} could not build {SOURCE.name}: {result.stderr.strip()[-2000:]}")
+        built.replace(target)
+    log.info("built %s with %s", target, compiler)
+    return target

@@ -1,0 +1,138 @@
+"""Matrix products on GGUF blocks (blockquant.py): found exactly, computed right, the same bits for a row alone or in a batch."""
+
+import pytest
+import torch
+
+from specserve_runtime import blockquant
+from specserve_runtime.layers import BLOCKQUANT_MAX_ROWS, PackedLinear, weight_layouts
+
+from .conftest import gguf_values
+
+pytestmark = pytest.mark.skipif(not blockquant.enabled(), reason="needs a C compiler and an AVX2 or AVX-512 CPU")
+
+# Every instruction-set path this CPU runs: both on an AVX-512 machine.
+ISAS = [isa for isa in (1, 2) if isa <= blockquant.best_isa()]
+
+
+def random_weight(rows: int, columns: int, fmt: str, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return gguf_values(torch.randn(rows, columns, generator=generator) * 0.1, fmt)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+def test_blocks_are_found_and_decode_to_every_value_bit_for_bit(fmt):
+    weight = random_weight(48, 96, fmt)
+    blocks = blockquant.exact_blocks(weight)
+    assert blocks.format == fmt
+    assert torch.equal(blocks.dequantize(), weight)
+
+
+def test_a_weight_that_is_not_exactly_blocks_is_left_alone():
+    weight = random_weight(8, 64, "Q4_1")
+    assert blockquant.exact_blocks(torch.randn(8, 64)) is None  # plain float32
+    off_by_one_ulp = weight.clone()
+    off_by_one_ulp[3, 17] = torch.nextafter(off_by_one_ulp[3, 17], torch.tensor(1.0))
+    assert blockquant.exact_blocks(off_by_one_ulp) is None
+    assert blockquant.exact_blocks(weight[:, :48].contiguous()) is None  # 48 columns: no whole blocks
+    assert blockquant.exact_blocks(weight.half()) is None
+
+
+def test_a_block_of_equal_values_is_exact():
+    weight = random_weight(4, 64, "Q4_1")
+    weight[1, :32] = 0.25
+    weight[2, 32:] = 0.0
+    blocks = blockquant.exact_blocks(weight)
+    assert blocks is not None and torch.equal(blocks.dequantize(), weight)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 17])  # around both paths' tiles of rows (4 and 8)
+def test_the_product_is_x_times_the_weight(fmt, isa, rows):
+    weight = random_weight(40, 160, fmt, seed=rows)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(1))
+    out = blockquant.linear(x, blockquant.exact_blocks(weight), isa=isa)
+    exact = (x.double() @ weight.double().T).float()
+    torch.testing.assert_close(out, exact, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+def test_a_row_has_the_same_bits_alone_and_among_others(fmt, isa):
+    """What keeps verification lossless: a draft block's first row is the one-token step's product, bit for bit."""
+    blocks = blockquant.exact_blocks(random_weight(64, 576, fmt))
+    x = torch.randn(19, 576, generator=torch.Generator().manual_seed(2))
+    together = blockquant.linear(x, blocks, isa=isa)
+    for start, stop in ((0, 1), (5, 6), (3, 10), (0, 19), (18, 19)):
+        assert torch.equal(blockquant.linear(x[start:stop], blocks, isa=isa), together[start:stop])
+
+
+def test_leading_axes_are_kept():
+    weight = random_weight(24, 64, "Q4_1")
+    x = torch.randn(2, 3, 64)
+    out = blockquant.linear(x, blockquant.exact_blocks(weight))
+    assert out.shape == (2, 3, 24)
+    torch.testing.assert_close(out, x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_linear_runs_blocks_up_to_its_row_limit_and_onednn_past_it():
+    weight = random_weight(32, 64, "Q4_1")
+    linear = PackedLinear(weight)
+    assert linear.blocks is not None
+    for rows in (0, 1, BLOCKQUANT_MAX_ROWS, BLOCKQUANT_MAX_ROWS + 1):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(linear(x), x @ weight.T, rtol=1e-5, atol=1e-5)
+    x = torch.randn(BLOCKQUANT_MAX_ROWS, 64)
+    assert torch.equal(linear(x), blockquant.linear(x, linear.blocks))
+    assert PackedLinear(torch.randn(32, 64)).blocks is None
+
+
+def test_a_gguf_valued_model_runs_its_products_on_blocks(tiny_llama_blocks):
+    packed = [m for m in tiny_llama_blocks.modules() if isinstance(m, PackedLinear)]
+    assert {m.blocks.format for m in packed} == {"Q4_1", "Q8_0"}  # the layers, and the tied LM head
+    assert all(m.blocks is not None for m in packed)
+    tokens = torch.tensor([5, 17, 42, 8])
+    logits = tiny_llama_blocks(tokens, tiny_llama_blocks.new_cache(8)).logits
+    with weight_layouts(tiny_llama_blocks):
+        plain = tiny_llama_blocks(tokens, tiny_llama_blocks.new_cache(8)).logits
+    torch.testing.assert_close(logits, plain, rtol=1e-4, atol=1e-4)
+
+
+def test_a_failed_build_names_the_compiler_and_the_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPECSERVE_KERNELS", raising=False)
+    with pytest.raises(OSError, match="no C compiler 'no-such-cc'"):
+        blockquant.build("no-such-cc")
+    broken = tmp_path / "broken-cc"
+    broken.write_text("#!/bin/sh\necho 'internal compiler error: out of luck' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    with pytest.raises(OSError, match="could not build blockquant.c: internal compiler error: out of luck"):
+        blockquant.build(str(broken))
+    assert not list((tmp_path / "kernels").iterdir())  # nothing half-written is left to be loaded later
+
+
+def test_a_build_is_reused_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPECSERVE_KERNELS", raising=False)
+    built = blockquant.build()
+    assert built == tmp_path / "kernels" / blockquant.library_name()
+    assert blockquant.build("no-such-cc") == built  # found, not compiled again
+
+
+def test_the_onednn_baseline_decodes_on_float32_layouts_and_restores_the_blocks(tiny_llama_blocks, tmp_path,
+                                                                                monkeypatch):
+    from specserve_runtime import bench
+    from specserve_runtime.bench import baseline_runners, parse_baselines
+    from specserve_runtime.loader import LoadedModel
+
+    from .conftest import ByteTokenizer
+
+    model = LoadedModel(tmp_path, tiny_llama_blocks, ByteTokenizer(), {2})
+    calls = []
+    kernel = blockquant.linear
+    monkeypatch.setattr(blockquant, "linear", lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
+    runners = baseline_runners(model, parse_baselines("onednn"), context=64, threads=torch.get_num_threads())
+    tokens, seconds, first_token = runners["ar-onednn"]([5, 6, 7], 6)
+    assert calls == [] and 1 <= len(tokens) <= 6 and 0 < first_token <= seconds
+    plain = bench.build_engine(model, "ar").generate(bench.Request([5, 6, 7], 6))
+    assert calls and plain.token_ids == tokens  # the engine's own layout again afterwards, and the same output here
