@@ -90,6 +90,8 @@ def linear(x: torch.Tensor, blocks: Blocks, isa: int | None = None) -> torch.Ten
     """x @ weight.T for a float32 x of any leading shape (`isa` picks a narrower path, for tests)."""
     kernels = library()
     n, k = blocks.shape
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != k:
+        raise ValueError(f"blockquant.linear takes float32 CPU rows of {k} values, not {x.dtype} {tuple(x.shape)}")
     rows = x.reshape(-1, k).contiguous()
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)
     status = kernels.blockquant_linear(

@@ -86,7 +86,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if self.blocks is not None and 0 < rows <= BLOCKQUANT_MAX_ROWS:
+        if self.blocks is not None and 0 < rows <= BLOCKQUANT_MAX_ROWS and x.dtype == torch.float32:
             return blockquant.linear(x, self.blocks)
         if self.packed is None or rows == 0:  # oneDNN's linear refuses an empty input
             return F.linear(x, self.weight)

@@ -75,6 +75,14 @@ def test_leading_axes_are_kept():
     torch.testing.assert_close(out, x @ weight.T, rtol=1e-5, atol=1e-5)
 
 
+def test_only_float32_rows_of_the_right_width_reach_the_kernel():
+    weight = random_weight(24, 64, "Q4_1")
+    blocks = blockquant.exact_blocks(weight)
+    for bad in (torch.randn(2, 64, dtype=torch.bfloat16), torch.randn(2, 32)):
+        with pytest.raises(ValueError, match="float32 CPU rows of 64 values"):
+            blockquant.linear(bad, blocks)
+
+
 def test_packed_linear_runs_blocks_up_to_its_row_limit_and_onednn_past_it():
     weight = random_weight(32, 64, "Q4_1")
     linear = PackedLinear(weight)
