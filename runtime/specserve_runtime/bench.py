@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
+from . import blockquant
 from .drafters import ProposerOptions
 from .engine import Request
-from .layers import PackedLinear, separate_projections, weight_layouts
+from .layers import BLOCKQUANT_MAX_ROWS, PackedLinear, separate_projections, weight_layouts
 from .loader import LoadedModel, build_engine
 from .model import Segment
 from .verify import SamplingParams
@@ -98,13 +99,16 @@ def parse_baselines(text: str | None) -> list[Baseline]:
 
 
 def machine() -> dict:
-    """The CPU model, its logical cores, and the threads every method and baseline runs on."""
+    """The CPU model, its logical cores, the threads every method and baseline runs on, and the engine's weight layouts."""
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
         names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                  if line.startswith("model name")]
         cpu = names[0] if names else cpu
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads()}
+    kernel = blockquant.kernel_name()
+    weights = f"GGUF blocks on the {kernel} kernel up to {BLOCKQUANT_MAX_ROWS} rows" if kernel else "no blockquant kernel"
+    return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "weights": f"{weights}, oneDNN float32 otherwise"}
 
 
 def held_out_sample(records: list[dict], per_category: int) -> list[dict]:
@@ -360,7 +364,8 @@ def table(summary: dict) -> str:
     if (hardware := summary.get("hardware")):
         threads = hardware["threads"]
         lines.append(f"hardware: {hardware['cpu']}, {hardware['cores']} logical cores; every method and baseline on "
-                     f"{threads} thread{'s' if threads != 1 else ''}")
+                     f"{threads} thread{'s' if threads != 1 else ''}"
+                     + (f"; engine weights: {hardware['weights']}" if hardware.get("weights") else ""))
     methods = summary["methods"]
     if "ar" in methods and methods.get(GAP_REFERENCE, {}).get("tokens"):
         ar, reference = methods["ar"], methods[GAP_REFERENCE]

@@ -4,8 +4,8 @@ The default target's float32 weights are decoded from a GGUF file (store.py): ev
 along a row of a layer's matrix are d * q + min of one Q4_1 block, and the embedding's (the tied
 LM head's) d * q of one Q8_0 block. `exact_blocks` finds those blocks again, and keeps them only
 if they give back every float32 value bit for bit, so the kernel multiplies by exactly the
-weights the float32 path does, from 3.6x (Q8_0) to 5.3x (Q4_1) fewer bytes (a one-token step reads every weight once
-and is bound by those reads). Other weights (a trained drafter's, a checkpoint in float32) have
+weights the float32 path does, from 3.6x (Q8_0) to 5.3x (Q4_1) fewer bytes (a one-token step
+reads every weight once and is bound by those reads). Other weights (a trained drafter's, a checkpoint in float32) have
 no such blocks and keep oneDNN's layout (layers.PackedLinear).
 
 The kernel is plain C with AVX-512 and AVX2 paths chosen at run time, compiled once per source
@@ -70,20 +70,19 @@ def exact_blocks(weight: torch.Tensor) -> Blocks | None:
     """
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.shape[1] % BLOCK:
         return None
-    rows = weight.detach().reshape(weight.shape[0], -1, BLOCK)
+    weight = weight.detach()
+    rows = weight.reshape(weight.shape[0], -1, BLOCK)
     low, high = rows.amin(-1), rows.amax(-1)
-    scale = ((high - low) / 15).half().float()
-    minimum = low.half().float()
-    q = torch.round((rows - minimum[..., None]) / torch.where(scale == 0, 1.0, scale)[..., None])
-    if torch.equal(q.clamp(0, 15) * scale[..., None] + minimum[..., None], rows):
-        q = q.to(torch.uint8)
-        nibbles = (q[..., :16] | (q[..., 16:] << 4)).contiguous()
-        return Blocks(tuple(weight.shape), scale.contiguous(), minimum.contiguous(), nibbles=nibbles)
+    scale, minimum = ((high - low) / 15).half().float(), low.half().float()
+    q = torch.round((rows - minimum[..., None]) / torch.where(scale == 0, 1.0, scale)[..., None]).clamp(0, 15)
+    q = q.to(torch.uint8)
+    q4_1 = Blocks(tuple(weight.shape), scale, minimum, nibbles=(q[..., :16] | (q[..., 16:] << 4)).contiguous())
+    if torch.equal(q4_1.dequantize(), weight):
+        return q4_1
     scale = (rows.abs().amax(-1) / 127).half().float()
-    q = torch.round(rows / torch.where(scale == 0, 1.0, scale)[..., None])
-    if torch.equal(q.clamp(-127, 127) * scale[..., None], rows):
-        return Blocks(tuple(weight.shape), scale.contiguous(), int8=q.to(torch.int8).contiguous())
-    return None
+    q = torch.round(rows / torch.where(scale == 0, 1.0, scale)[..., None]).clamp(-127, 127)
+    q8_0 = Blocks(tuple(weight.shape), scale, int8=q.to(torch.int8).contiguous())
+    return q8_0 if torch.equal(q8_0.dequantize(), weight) else None
 
 
 def linear(x: torch.Tensor, blocks: Blocks, isa: int | None = None) -> torch.Tensor:
@@ -112,6 +111,11 @@ def best_isa() -> int:
 
 def enabled() -> bool:
     return best_isa() > 0
+
+
+def kernel_name() -> str | None:
+    """The instruction set the kernel runs here ("AVX-512", "AVX2"), or None where it does not run."""
+    return ISA_NAMES.get(best_isa())
 
 
 @functools.cache

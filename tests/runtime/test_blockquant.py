@@ -144,3 +144,11 @@ def test_the_onednn_baseline_decodes_on_float32_layouts_and_restores_the_blocks(
     assert calls == [] and 1 <= len(tokens) <= 6 and 0 < first_token <= seconds
     plain = bench.build_engine(model, "ar").generate(bench.Request([5, 6, 7], 6))
     assert calls and plain.token_ids == tokens  # the engine's own layout again afterwards, and the same output here
+
+
+def test_the_bench_names_the_weight_layouts_it_ran_on():
+    from specserve_runtime.bench import machine
+
+    assert machine()["weights"] == (f"GGUF blocks on the {blockquant.kernel_name()} kernel up to {BLOCKQUANT_MAX_ROWS} "
+                                    "rows, oneDNN float32 otherwise")
+    assert blockquant.kernel_name() in ("AVX-512", "AVX2")

@@ -70,7 +70,7 @@ def test_llama_cpp_rows_share_the_table_with_the_hardware_threads_and_the_gap():
         "ar": stats(tokens=256, target_forwards=256, decode_tps=[30.0, 34.0], e2e_tps=[28.0, 30.0]),
         "llamacpp-q4_1": llama,
         "hf-greedy": stats(tokens=256, e2e_tps=[25.0], decode_tps=[26.0]),
-    }, {"cpu": "AMD EPYC", "cores": 2, "threads": 2})
+    }, {"cpu": "AMD EPYC", "cores": 2, "threads": 2, "weights": "GGUF blocks on the AVX2 kernel up to 8 rows"})
     entry = summary["methods"]["llamacpp-q4_1"]
     assert entry["acceptance_length"] is None and entry["tokens"] == 256  # a baseline: no drafts, no tau
     assert entry["speedup_vs_ar"] == round(80.0 / 32.0, 3)  # medians of decode tokens/s, as for the methods
@@ -79,7 +79,8 @@ def test_llama_cpp_rows_share_the_table_with_the_hardware_threads_and_the_gap():
     rendered = table(summary)
     assert "| llamacpp-q4_1 " in rendered and "| hf-greedy " in rendered
     assert "NO (1/2 same, 62% prefix)" in rendered and "first difference" in rendered
-    assert "hardware: AMD EPYC, 2 logical cores; every method and baseline on 2 threads" in rendered
+    assert ("hardware: AMD EPYC, 2 logical cores; every method and baseline on 2 threads; engine weights: GGUF blocks "
+            "on the AVX2 kernel up to 8 rows") in rendered
     assert "ar / llamacpp-q4_1 (plain llama.cpp, the same weights): 0.41x end to end, 0.40x decode" in rendered
     json.dumps(summary)  # --json prints it
 
