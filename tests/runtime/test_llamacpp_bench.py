@@ -158,7 +158,8 @@ def test_llama_cpp_runs_in_the_bench_beside_ar(capsys):
     assert summary["hardware"]["threads"] == 1
     rendered = "\n".join(out[:-1])
     assert "| llamacpp-q4_1 " in rendered and "| llamacpp-q8_0-lookup " in rendered and "| ar " in rendered
-    assert "every method and baseline on 1 thread\n" in rendered and "ar / llamacpp-q4_1" in rendered
+    assert f"every method and baseline on 1 thread; engine weights: {summary['hardware']['weights']}\n" in rendered
+    assert "ar / llamacpp-q4_1" in rendered
 
 
 @pytest.mark.slow
