@@ -5,8 +5,8 @@ along a row of a layer's matrix are d * q + min of one Q4_1 block, and the embed
 LM head's) d * q of one Q8_0 block. `exact_blocks` finds those blocks again, and keeps them only
 if they give back every float32 value bit for bit, so the kernel multiplies by exactly the
 weights the float32 path does, from 3.6x (Q8_0) to 5.3x (Q4_1) fewer bytes (a one-token step
-reads every weight once and is bound by those reads). Other weights (a trained drafter's, a checkpoint in float32) have
-no such blocks and keep oneDNN's layout (layers.PackedLinear).
+reads every weight once and is bound by those reads). Other weights (a trained drafter's, a
+checkpoint in float32) have no such blocks and keep oneDNN's layout (layers.PackedLinear).
 
 The kernel is plain C with AVX-512 and AVX2 paths chosen at run time, compiled once per source
 into the cache on first use (a C compiler is needed then; images ship it built, Dockerfile). It
@@ -87,14 +87,14 @@ def exact_blocks(weight: torch.Tensor) -> Blocks | None:
 
 def linear(x: torch.Tensor, blocks: Blocks, isa: int | None = None) -> torch.Tensor:
     """x @ weight.T for a float32 x of any leading shape (`isa` picks a narrower path, for tests)."""
-    kernels = library()
     n, k = blocks.shape
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != k:
         raise ValueError(f"blockquant.linear takes float32 CPU rows of {k} values, not {x.dtype} {tuple(x.shape)}")
     rows = x.reshape(-1, k).contiguous()
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-    status = kernels.blockquant_linear(
-        best_isa() if isa is None else isa, rows.data_ptr(), rows.shape[0], k,
+    isa = best_isa() if isa is None else isa
+    status = library().blockquant_linear(
+        isa, rows.data_ptr(), rows.shape[0], k,
         blocks.nibbles.data_ptr() if blocks.nibbles is not None else None,
         blocks.int8.data_ptr() if blocks.int8 is not None else None,
         blocks.scale.data_ptr(), blocks.minimum.data_ptr() if blocks.minimum is not None else None, n, out.data_ptr())
@@ -103,6 +103,7 @@ def linear(x: torch.Tensor, blocks: Blocks, isa: int | None = None) -> torch.Ten
     return out.reshape(*x.shape[:-1], n)
 
 
+@functools.cache  # asked once: linear() runs on every matrix product of a step
 def best_isa() -> int:
     """2 for AVX-512, 1 for AVX2 with FMA, 0 for neither (the kernel then does not run)."""
     kernels = library()
@@ -152,7 +153,7 @@ def build(compiler: str | None = None) -> Path:
     compiler = compiler or os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise OSError(f"no C compiler {compiler!r} on PATH to build {SOURCE.name} (set CC, or build it into "
-                                f"$SPECSERVE_KERNELS as the Dockerfile does)")
+                      f"$SPECSERVE_KERNELS as the Dockerfile does)")
     target = cache_root() / "kernels" / library_name()
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, renamed in: concurrent builds are safe
