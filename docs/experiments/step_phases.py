@@ -1,13 +1,15 @@
 """One-off measurement: where one sequence's decode step goes (drafting, the target's verify forward,
-the rest: acceptance, commit, Python), per method, with the drafters' LM head on its packed weight
-(what the engine runs) and on torch's F.linear ("/unpacked head"), interleaved in rounds.
+the rest: acceptance, commit, Python), per method, as the engine runs it, with the drafter's products
+on float32 weights ("/float32 drafter": SPECSERVE_DRAFTER_INT8=0) or its LM head on torch's F.linear
+("/unpacked head"), interleaved in rounds.
 
 Greedy, 6 of set v2's held-out prompts (2 per category), 96 new tokens each, decode only.
-Run: .venv/bin/python docs/experiments/step_phases.py [METHOD[/unpacked head] ...]   (results in docs/benchmarks.md,
-"The drafters' own matrix products")
+Run: .venv/bin/python docs/experiments/step_phases.py [METHOD[/float32 drafter|/unpacked head] ...]   (results in
+docs/benchmarks.md, "The drafters' own matrix products" and "int8 activations")
 """
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,8 +22,7 @@ from specserve_runtime.loader import build_engine, load_model
 from specserve_runtime.store import DEFAULT_MODEL
 from specserve_runtime.training.sources import default_prompt_set
 
-METHODS = sys.argv[1:] or ["ar", "dflash", "dflash/unpacked head", "dflash:7", "dflash:7/unpacked head", "eagle3",
-           "eagle3/unpacked head"]
+METHODS = sys.argv[1:] or ["ar", "dflash", "dflash/float32 drafter", "eagle3", "eagle3/float32 drafter"]
 ROUNDS = 2
 
 model = load_model(DEFAULT_MODEL)
@@ -45,8 +46,9 @@ model.target.forward_batch = timed("verify", model.target.forward_batch)
 print("| method | tau | step ms | draft ms | verify ms | rest ms | decode tok/s |\n|---|---|---|---|---|---|---|")
 for label in METHODS * ROUNDS:
     spec, _, variant = label.partition("/")
+    os.environ["SPECSERVE_DRAFTER_INT8"] = "0" if variant == "float32 drafter" else "1"
     engine = build_engine(model, *method_spec(spec))
-    if variant:
+    if variant == "unpacked head":
         engine.proposer.head.linear = None  # every sequence's proposer copy shares this head
     engine.generate(Request(prompts[0], 16))  # warm-up
     draft = verify = decode = 0.0

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from . import blockquant
-from .drafters import ProposerOptions
+from .drafters import ProposerOptions, int8_drafting
 from .engine import Request
 from .layers import BLOCKQUANT_MAX_ROWS, PackedLinear, separate_projections, weight_layouts
 from .loader import LoadedModel, build_engine
@@ -99,7 +99,8 @@ def parse_baselines(text: str | None) -> list[Baseline]:
 
 
 def machine() -> dict:
-    """The CPU model, its logical cores, the threads every method and baseline runs on, and the engine's weight layouts."""
+    """The CPU model, its logical cores, the threads every method and baseline runs on, and the engine's weight layouts
+    (the target's, the drafters')."""
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
         names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -107,8 +108,9 @@ def machine() -> dict:
         cpu = names[0] if names else cpu
     kernel = blockquant.kernel_name()
     weights = f"GGUF blocks on the {kernel} kernel up to {BLOCKQUANT_MAX_ROWS} rows" if kernel else "no blockquant kernel"
+    drafters = "int8 products" if blockquant.best_isa() >= 3 and int8_drafting() else "float32 products"
     return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-            "weights": f"{weights}, oneDNN float32 otherwise"}
+            "weights": f"{weights}, oneDNN float32 otherwise; drafters on {drafters}"}
 
 
 def held_out_sample(records: list[dict], per_category: int) -> list[dict]:

@@ -12,9 +12,16 @@
    Each output is summed in one fixed order (two 16-lane or four 8-lane partial sums over k, then
    one reduction), whatever the number of rows m and whichever thread computes it: a row gives
    the same bits alone as among others, so verifying drafts, batching sequences and one-token
-   decoding compute identical matrix products. */
+   decoding compute identical matrix products.
 
+   Two arithmetics: float32 x times the blocks (the target's products: exactly its float32
+   weights, summed in float32), and x rounded to int8 with integer dot products (the drafters':
+   "int8 activations" below). */
+
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #include <immintrin.h>
 
 #define BLOCK 32
@@ -121,21 +128,131 @@ static void linear256(const float *x, int64_t rows, int64_t k, const uint8_t *q4
     }
 }
 
+/* ---- int8 activations (AVX-512 VNNI), llama.cpp's arithmetic, for the drafters ----
+
+   Each row of x is rounded per block of 32 as Q8_0 rounds weights (x ~ dx * qx, qx in -127..127,
+   dx = max|x| / 127), so a block's product is an integer dot product, exact in int32:
+     Q4_1: sum w x ~ d dx sum(q qx) + min dx sum(qx)
+     Q8_0: sum w x ~ d dx sum((q + 128) qx) - 128 d dx sum(qx), the Q4_1 form with min = -128 d,
+           because the instruction multiplies unsigned bytes (weights) by signed bytes (x).
+   The rounding of x depends on the row alone, so a row still has the same bits alone as among
+   others. It is an approximation the target cannot take: a row's products are the same bits
+   wherever it is, but the attention before them sums in an order that depends on the number of
+   rows, and a last-bit difference that moves x across a rounding boundary moves its int8 value a
+   whole step; the drafters can, since their numbers only decide what they propose.
+
+   Why another layout: VPDPBUSD sums 4 byte products into each of 16 int32 lanes. With the
+   weights of 16 outputs interleaved 4 bytes per lane (int8_layout in blockquant.py), one
+   instruction advances 16 outputs by 4 inputs for a row, the 4 bytes of x broadcast to every
+   lane: no horizontal sums, and a block's weights, unpacked once, serve every row of the tile.
+   Per group of 16 outputs and block of 32 inputs the layout holds
+     Q4_1: 4 chunks of 64 bytes, chunk c, lane i, byte j = q[i][8c + j] | q[i][8c + 4 + j] << 4
+     Q8_0: 8 chunks of 64 bytes, chunk c, lane i, byte j = q[i][4c + j] + 128
+   and the 16 outputs' d (and min) as 16 floats. */
+
+#define GROUP 16
+
+static void quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *qx, float *dx, float *sx) {
+    const int64_t blocks = k / BLOCK;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const float *xb = x + r * k + b * BLOCK;
+            float amax = 0.0f;
+            for (int j = 0; j < BLOCK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+            const float d = amax / 127.0f, inverse = d > 0.0f ? 1.0f / d : 0.0f;
+            int sum = 0;
+            for (int j = 0; j < BLOCK; j++) {
+                const int q = (int)nearbyintf(xb[j] * inverse);
+                qx[r * k + b * BLOCK + j] = (int8_t)q;
+                sum += q;
+            }
+            dx[r * blocks + b] = d;
+            sx[r * blocks + b] = d * (float)sum;
+        }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static inline __m512i four_inputs(const int8_t *q) {  /* q[0..3] in every int32 lane */
+    int32_t word;
+    memcpy(&word, q, sizeof word);
+    return _mm512_set1_epi32(word);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static void linear512_int8(const int8_t *qx, const float *dx, const float *sx, int64_t rows, int64_t k,
+                           const uint8_t *q4, const uint8_t *q8, const float *scale, const float *minimum,
+                           int64_t n_out, float *y) {
+    const int64_t blocks = k / BLOCK, chunks = q4 ? 4 : 8;
+    #pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < n_out / GROUP; g++) {
+        for (int64_t r0 = 0; r0 < rows; r0 += TILE512) {
+            const int tile = rows - r0 < TILE512 ? (int)(rows - r0) : TILE512;
+            __m512 acc[TILE512];
+            for (int r = 0; r < tile; r++) acc[r] = _mm512_setzero_ps();
+            for (int64_t b = 0; b < blocks; b++) {
+                const int64_t at = g * blocks + b;
+                const __m512 d = _mm512_loadu_ps(scale + at * GROUP);
+                const __m512 mn = q4 ? _mm512_loadu_ps(minimum + at * GROUP) : _mm512_mul_ps(d, _mm512_set1_ps(-128.0f));
+                __m512i dot[TILE512];
+                for (int r = 0; r < tile; r++) dot[r] = _mm512_setzero_si512();
+                for (int64_t c = 0; c < chunks; c++) {
+                    if (q4) {  /* low nibbles: inputs 8c..8c+3, high nibbles: 8c+4..8c+7 */
+                        const __m512i bytes = _mm512_loadu_si512(q4 + (at * 4 + c) * 64);
+                        const __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi8(15));
+                        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), _mm512_set1_epi8(15));
+                        for (int r = 0; r < tile; r++) {
+                            const int8_t *xr = qx + (r0 + r) * k + b * BLOCK + 8 * c;
+                            dot[r] = _mm512_dpbusd_epi32(dot[r], low, four_inputs(xr));
+                            dot[r] = _mm512_dpbusd_epi32(dot[r], high, four_inputs(xr + 4));
+                        }
+                    } else {
+                        const __m512i bytes = _mm512_loadu_si512(q8 + (at * 8 + c) * 64);
+                        for (int r = 0; r < tile; r++)
+                            dot[r] = _mm512_dpbusd_epi32(dot[r], bytes, four_inputs(qx + (r0 + r) * k + b * BLOCK + 4 * c));
+                    }
+                }
+                for (int r = 0; r < tile; r++) {  /* this block's share, in one fixed order for every row */
+                    const int64_t row = r0 + r;
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(d, _mm512_set1_ps(dx[row * blocks + b])), acc[r]);
+                    acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sx[row * blocks + b]), acc[r]);
+                }
+            }
+            for (int r = 0; r < tile; r++) _mm512_storeu_ps(y + (r0 + r) * n_out + g * GROUP, acc[r]);
+        }
+    }
+}
+
 /* ---- entry points (ctypes) ---- */
 
-/* The widest instruction set this CPU runs: 2 = AVX-512, 1 = AVX2 with FMA, 0 = neither. */
+/* The widest instruction set this CPU runs: 3 = AVX-512 with VNNI, 2 = AVX-512, 1 = AVX2 with FMA, 0 = neither. */
 int blockquant_best_isa(void) {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return 2;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
+        return __builtin_cpu_supports("avx512vnni") ? 3 : 2;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
     return 0;
 }
 
-/* y[rows, n_out] = x[rows, k] @ w[n_out, k]^T; exactly one of q4 (with minimum) and q8 is given. */
-int blockquant_linear(int isa, const float *x, int64_t rows, int64_t k, const uint8_t *q4, const int8_t *q8,
-                      const float *scale, const float *minimum, int64_t n_out, float *y) {
+/* y[rows, n_out] = x[rows, k] @ w[n_out, k]^T; exactly one of q4 (with minimum) and q8 is given.
+   Float32 x: the blocks as in the GGUF file (q8 signed). int8_activations: x rounded to int8
+   blocks, the weights in the int8 layout above (q8 offset to unsigned), AVX-512 VNNI only. */
+int blockquant_linear(int isa, int int8_activations, const float *x, int64_t rows, int64_t k, const uint8_t *q4,
+                      const int8_t *q8, const float *scale, const float *minimum, int64_t n_out, float *y) {
     if (k % BLOCK != 0 || (q4 == 0) == (q8 == 0) || (q4 && minimum == 0)) return -1;
-    if (isa == 2) linear512(x, rows, k, q4, q8, scale, minimum, n_out, y);
+    if (int8_activations) {
+        if (isa < 3 || n_out % GROUP != 0) return -1;
+        const int64_t blocks = k / BLOCK;
+        int8_t *qx = malloc(rows * k);
+        float *dx = malloc(rows * blocks * sizeof(float)), *sx = malloc(rows * blocks * sizeof(float));
+        const int status = qx && dx && sx ? 0 : -2;
+        if (status == 0) {
+            quantize_rows(x, rows, k, qx, dx, sx);
+            linear512_int8(qx, dx, sx, rows, k, q4, (const uint8_t *)q8, scale, minimum, n_out, y);
+        }
+        free(qx); free(dx); free(sx);
+        return status;
+    }
+    if (isa >= 2) linear512(x, rows, k, q4, q8, scale, minimum, n_out, y);
     else if (isa == 1) linear256(x, rows, k, q4, q8, scale, minimum, n_out, y);
     else return -1;
     return 0;

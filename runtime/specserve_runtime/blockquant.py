@@ -6,12 +6,15 @@ LM head's) d * q of one Q8_0 block. `exact_blocks` finds those blocks again, and
 if they give back every float32 value bit for bit, so the kernel multiplies by exactly the
 weights the float32 path does, from 3.6x (Q8_0) to 5.3x (Q4_1) fewer bytes (a one-token step
 reads every weight once and is bound by those reads). Other weights (a trained drafter's, a
-checkpoint in float32) have no such blocks and keep oneDNN's layout (layers.PackedLinear).
+checkpoint in float32) have no such blocks and keep oneDNN's layout (layers.PackedLinear), except
+a drafter's: `int8_blocks` rounds them to Q8_0 and its products round their rows to int8 too,
+integer dot products as llama.cpp computes them (its numbers decide only what it proposes).
 
-The kernel is plain C with AVX-512 and AVX2 paths chosen at run time, compiled once per source
-into the cache on first use (a C compiler is needed then; images ship it built, Dockerfile). It
-sums each output in one fixed order whatever the number of rows, so a row's product has the
-same bits alone, in a verify block or in a batch. Set SPECSERVE_BLOCKQUANT=0 to turn it off.
+The kernel is plain C with AVX-512 and AVX2 paths chosen at run time (int8 rows: AVX-512 VNNI
+only), compiled once per source into the cache on first use (a C compiler is needed then; images
+ship it built, Dockerfile). It sums each output in one fixed order whatever the number of rows, so
+a row's product has the same bits alone, in a verify block or in a batch. Set
+SPECSERVE_BLOCKQUANT=0 to turn it off (SPECSERVE_DRAFTER_INT8=0: the drafters' int8 products only).
 """
 
 import ctypes
@@ -36,7 +39,7 @@ BLOCK = 32
 # The compiler's flags: no -march, the source picks its instruction set per CPU at run time, so
 # one build runs on any x86-64 machine. OpenMP resolves to the libgomp torch has already loaded.
 CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
-ISA_NAMES = {2: "AVX-512", 1: "AVX2"}
+ISA_NAMES = {3: "AVX-512 VNNI", 2: "AVX-512", 1: "AVX2"}
 
 
 @dataclass
@@ -79,33 +82,90 @@ def exact_blocks(weight: torch.Tensor) -> Blocks | None:
     q4_1 = Blocks(tuple(weight.shape), scale, minimum, nibbles=(q[..., :16] | (q[..., 16:] << 4)).contiguous())
     if torch.equal(q4_1.dequantize(), weight):
         return q4_1
-    scale = (rows.abs().amax(-1) / 127).half().float()
-    q = torch.round(rows / torch.where(scale == 0, 1.0, scale)[..., None]).clamp(-127, 127)
-    q8_0 = Blocks(tuple(weight.shape), scale, int8=q.to(torch.int8).contiguous())
+    q8_0 = q8_0_blocks(weight)
     return q8_0 if torch.equal(q8_0.dequantize(), weight) else None
 
 
-def linear(x: torch.Tensor, blocks: Blocks, isa: int | None = None) -> torch.Tensor:
-    """x @ weight.T for a float32 x of any leading shape (`isa` picks a narrower path, for tests)."""
+def q8_0_blocks(weight: torch.Tensor) -> Blocks:
+    """A float32 [n, k] weight rounded to Q8_0 blocks as llama.cpp rounds it: d = max|w| / 127 in float16."""
+    rows = weight.detach().reshape(weight.shape[0], -1, BLOCK)
+    scale = (rows.abs().amax(-1) / 127).half().float()
+    q = torch.round(rows / torch.where(scale == 0, 1.0, scale)[..., None]).clamp(-127, 127)
+    return Blocks(tuple(weight.shape), scale, int8=q.to(torch.int8).contiguous())
+
+
+@dataclass
+class Int8Blocks:
+    """The same blocks laid out for int8 activations (blockquant.c, "int8 activations"): per group of
+    16 outputs and block of 32 inputs, `weights` [n / 16, k / 32, bytes] uint8 and `scale` (and
+    Q4_1's `minimum`) [n / 16, k / 32, 16] float32."""
+    shape: tuple[int, int]
+    format: str
+    weights: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor | None = None
+
+
+GROUP = 16  # outputs per int8 group: the 16 int32 lanes of an AVX-512 register
+
+
+def int8_blocks(weight: torch.Tensor) -> Int8Blocks | None:
+    """A weight for products on int8 activations: its exact blocks where it has them (exact_blocks), else
+    its values rounded to Q8_0; None where the int8 kernel does not run (no AVX-512 VNNI, or a weight
+    that is not float32 [n, k] with n a multiple of 16 and k of 32)."""
+    if (best_isa() < 3 or weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu"
+            or weight.shape[0] % GROUP or weight.shape[1] % BLOCK):
+        return None
+    return int8_layout(exact_blocks(weight) or q8_0_blocks(weight))
+
+
+def int8_layout(blocks: Blocks) -> Int8Blocks:
+    """`blocks` interleaved for the int8 kernel (blockquant.c, "int8 activations"); n a multiple of 16."""
     n, k = blocks.shape
+    groups, per_row = n // GROUP, k // BLOCK
+
+    def by_group(values: torch.Tensor) -> torch.Tensor:  # [n, k / 32] -> [n / 16, k / 32, 16]
+        return values.reshape(groups, GROUP, per_row).permute(0, 2, 1).contiguous()
+
+    if blocks.nibbles is not None:
+        q = torch.cat([blocks.nibbles & 15, blocks.nibbles >> 4], dim=-1)  # [n, k / 32, 32] in 0..15
+        # chunk c of 8 inputs, lane i, byte j: q[i][8c + j] low, q[i][8c + 4 + j] high
+        q = q.reshape(groups, GROUP, per_row, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+        weights = (q[..., 0] | (q[..., 1] << 4)).reshape(groups, per_row, 4 * 64)
+        return Int8Blocks(blocks.shape, "Q4_1", weights.contiguous(), by_group(blocks.scale), by_group(blocks.minimum))
+    q = (blocks.int8.to(torch.int16) + 128).to(torch.uint8)  # unsigned bytes, as VPDPBUSD multiplies them
+    weights = q.reshape(groups, GROUP, per_row, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, per_row, 8 * 64)
+    return Int8Blocks(blocks.shape, "Q8_0", weights.contiguous(), by_group(blocks.scale))
+
+
+def linear(x: torch.Tensor, blocks: Blocks | Int8Blocks, isa: int | None = None) -> torch.Tensor:
+    """x @ weight.T for a float32 x of any leading shape (`isa` picks a narrower path, for tests):
+    on Int8Blocks, x rounded to int8 per block of 32, as llama.cpp does; on Blocks, x as it is."""
+    n, k = blocks.shape
+    int8 = isinstance(blocks, Int8Blocks)
+    if int8:
+        q4, q8 = (blocks.weights, None) if blocks.format == "Q4_1" else (None, blocks.weights)
+    else:
+        q4, q8 = blocks.nibbles, blocks.int8
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != k:
         raise ValueError(f"blockquant.linear takes float32 CPU rows of {k} values, not {x.dtype} {tuple(x.shape)}")
     rows = x.reshape(-1, k).contiguous()
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)
     isa = best_isa() if isa is None else isa
     status = library().blockquant_linear(
-        isa, rows.data_ptr(), rows.shape[0], k,
-        blocks.nibbles.data_ptr() if blocks.nibbles is not None else None,
-        blocks.int8.data_ptr() if blocks.int8 is not None else None,
+        isa, int8, rows.data_ptr(), rows.shape[0], k,
+        q4.data_ptr() if q4 is not None else None, q8.data_ptr() if q8 is not None else None,
         blocks.scale.data_ptr(), blocks.minimum.data_ptr() if blocks.minimum is not None else None, n, out.data_ptr())
     if status != 0:
-        raise ValueError(f"blockquant_linear refused a {blocks.format} [{n}, {k}] product on ISA {isa}")
+        activations = "int8" if int8 else "float32"
+        raise ValueError(f"blockquant_linear refused a {blocks.format} [{n}, {k}] product of {activations} rows "
+                         f"on ISA {isa}")
     return out.reshape(*x.shape[:-1], n)
 
 
 @functools.cache  # asked once: linear() runs on every matrix product of a step
 def best_isa() -> int:
-    """2 for AVX-512, 1 for AVX2 with FMA, 0 for neither (the kernel then does not run)."""
+    """3 for AVX-512 with VNNI, 2 for AVX-512, 1 for AVX2 with FMA, 0 for neither (the kernel then does not run)."""
     kernels = library()
     return kernels.blockquant_best_isa() if kernels else 0
 
@@ -132,7 +192,7 @@ def library() -> ctypes.CDLL | None:
     kernels.blockquant_best_isa.restype = ctypes.c_int
     kernels.blockquant_linear.restype = ctypes.c_int
     kernels.blockquant_linear.argtypes = [
-        ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     if kernels.blockquant_best_isa() == 0:
         log.warning("block-quantised kernels need AVX-512 or AVX2 with FMA: float32 weights instead")

@@ -36,10 +36,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.gate_up: PackedLinear | None = None  # set by fuse_projections()
 
-    def fuse_projections(self) -> None:
+    def fuse_projections(self, int8_activations: bool = False) -> None:
         """Inference: gate and up in one matrix product (their weights become views of the fused one)."""
-        self.gate_up = PackedLinear(_fuse(self.gate_proj, self.up_proj))
-        self.down_proj = PackedLinear(self.down_proj.weight)
+        self.gate_up = PackedLinear(_fuse(self.gate_proj, self.up_proj), int8_activations)
+        self.down_proj = PackedLinear(self.down_proj.weight, int8_activations)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
@@ -61,7 +61,13 @@ class PackedLinear(nn.Module):
     """An inference-only, bias-free linear map that also keeps its weight in faster layouts.
 
     Why: a decode step's matrix products are most of its time, and rows are what verifying
-    drafts and batching sequences add. Two layouts, the first that applies:
+    drafts and batching sequences add. Three layouts, the first that applies:
+    - int8 blocks, for a drafter only (int8_activations): its weights as Q8_0 blocks (exactly, or
+      rounded), each row of x rounded to int8 per block of 32 as llama.cpp does, integer dot
+      products (blockquant.c). The rounding changes a drafter's numbers, so only what it proposes,
+      never what verification commits; the target's products stay float32, because their bits
+      must not depend on the rows beside them and attention's sums do, which rounding amplifies
+      (docs/benchmarks.md, "int8 activations");
     - the GGUF file's own blocks (blockquant.py), where the weight's float32 values are exactly
       Q4_1 or Q8_0 blocks (the default target's are): the same values from 3.6x (Q8_0) to 5.3x
       (Q4_1) fewer bytes, each row's product the same bits whatever the rows beside it; up to
@@ -74,7 +80,7 @@ class PackedLinear(nn.Module):
     equal F.linear's up to float32 rounding (another summation order).
     """
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, int8_activations: bool = False):
         super().__init__()
         if isinstance(weight, nn.Parameter):
             self.weight = weight  # a parameter keeps its state_dict name and its ties
@@ -83,9 +89,12 @@ class PackedLinear(nn.Module):
         self.out_features = weight.shape[0]
         self.packed = _onednn_layout(weight)
         self.blocks = blockquant.exact_blocks(weight) if blockquant.enabled() else None
+        self.int8_blocks = blockquant.int8_blocks(weight) if int8_activations else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
+        if self.int8_blocks is not None and rows > 0 and x.dtype == torch.float32:
+            return blockquant.linear(x, self.int8_blocks)
         if self.blocks is not None and 0 < rows <= BLOCKQUANT_MAX_ROWS and x.dtype == torch.float32:
             return blockquant.linear(x, self.blocks)
         if self.packed is None or rows == 0:  # oneDNN's linear refuses an empty input
@@ -99,16 +108,17 @@ def _onednn_layout(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
-def fuse_projections(model: nn.Module) -> nn.Module:
+def fuse_projections(model: nn.Module, int8_activations: bool = False) -> nn.Module:
     """Inference only: fuse every attention's q/k/v and every MLP's gate/up (gradients would not reach the views),
-    and give every matrix product a packed weight (the layers', the LM head, a drafter's feature projection)."""
+    and give every matrix product a packed weight (the layers', the LM head, a drafter's feature projection).
+    `int8_activations`: every product on int8 blocks where the CPU runs them (PackedLinear), for a drafter."""
     for module in list(model.modules()):  # a list: fusing replaces child modules
         if isinstance(module, (Attention, MLP)):
-            module.fuse_projections()
+            module.fuse_projections(int8_activations)
         else:  # (an attention's or MLP's own Linears stay: views of its fused weights, read by separate_projections)
             for name, child in list(module.named_children()):
-                if type(child) is nn.Linear and child.bias is None:
-                    setattr(module, name, PackedLinear(child.weight))  # the parameter, its name and ties are kept
+                if type(child) is nn.Linear and child.bias is None:  # the parameter, its name and ties are kept:
+                    setattr(module, name, PackedLinear(child.weight, int8_activations))
     return model
 
 
@@ -127,18 +137,19 @@ def separate_projections(model: nn.Module):
 
 
 @contextlib.contextmanager
-def weight_layouts(model: nn.Module, blocks: bool = False, onednn: bool = False):
+def weight_layouts(model: nn.Module, blocks: bool = False, onednn: bool = False, int8: bool = False):
     """Run a model's PackedLinears with only the layouts named (for side-by-side timing and tests):
-    by default neither, i.e. torch's F.linear on the plain weight."""
-    saved = [(m, m.blocks, m.packed) for m in model.modules() if isinstance(m, PackedLinear)]
-    for module, kept_blocks, kept_packed in saved:
+    by default none, i.e. torch's F.linear on the plain weight."""
+    saved = [(m, m.blocks, m.packed, m.int8_blocks) for m in model.modules() if isinstance(m, PackedLinear)]
+    for module, kept_blocks, kept_packed, kept_int8 in saved:
         module.blocks = kept_blocks if blocks else None
         module.packed = kept_packed if onednn else None
+        module.int8_blocks = kept_int8 if int8 else None
     try:
         yield
     finally:
-        for module, kept_blocks, kept_packed in saved:
-            module.blocks, module.packed = kept_blocks, kept_packed
+        for module, kept_blocks, kept_packed, kept_int8 in saved:
+            module.blocks, module.packed, module.int8_blocks = kept_blocks, kept_packed, kept_int8
 
 
 class RotaryEmbedding(nn.Module):
@@ -242,10 +253,10 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.qkv: PackedLinear | None = None  # set by fuse_projections()
 
-    def fuse_projections(self) -> None:
+    def fuse_projections(self, int8_activations: bool = False) -> None:
         """Inference: queries, keys and values in one matrix product."""
-        self.qkv = PackedLinear(_fuse(self.q_proj, self.k_proj, self.v_proj))
-        self.o_proj = PackedLinear(self.o_proj.weight)
+        self.qkv = PackedLinear(_fuse(self.q_proj, self.k_proj, self.v_proj), int8_activations)
+        self.o_proj = PackedLinear(self.o_proj.weight, int8_activations)
 
     def _heads(self, x: torch.Tensor, num_heads: int) -> torch.Tensor:
         return x.view(x.shape[0], num_heads, self.head_dim).transpose(0, 1).unsqueeze(0)

@@ -12,6 +12,7 @@ pytestmark = pytest.mark.skipif(not blockquant.enabled(), reason="needs a C comp
 
 # Every instruction-set path this CPU runs: both on an AVX-512 machine.
 ISAS = [isa for isa in (1, 2) if isa <= blockquant.best_isa()]
+needs_vnni = pytest.mark.skipif(blockquant.best_isa() < 3, reason="int8 activations need AVX-512 VNNI")
 
 
 def random_weight(rows: int, columns: int, fmt: str, seed: int = 0) -> torch.Tensor:
@@ -65,6 +66,78 @@ def test_a_row_has_the_same_bits_alone_and_among_others(fmt, isa):
     together = blockquant.linear(x, blocks, isa=isa)
     for start, stop in ((0, 1), (5, 6), (3, 10), (0, 19), (18, 19)):
         assert torch.equal(blockquant.linear(x[start:stop], blocks, isa=isa), together[start:stop])
+
+
+def int8_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x rounded per block of 32 to int8 (d = max|x| / 127), times the weight, in float64."""
+    blocks = x.double().reshape(x.shape[0], -1, 32)
+    scale = (blocks.abs().amax(-1) / 127).float().double()
+    rounded = torch.round(blocks * torch.where(scale > 0, 1 / scale, 0)[..., None]) * scale[..., None]
+    return rounded.reshape(x.shape) @ weight.double().T
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])  # around the tile of 8 rows
+def test_on_int8_activations_the_product_is_x_rounded_per_block_times_the_weight(fmt, rows):
+    weight = random_weight(48, 160, fmt, seed=rows)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(1))
+    int8 = blockquant.int8_blocks(weight)
+    assert int8.format == fmt  # exact blocks are kept as they are, only x is rounded
+    torch.testing.assert_close(blockquant.linear(x, int8).double(), int8_reference(x, weight), rtol=1e-5, atol=1e-5)
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+def test_on_int8_activations_a_row_has_the_same_bits_alone_and_among_others(fmt):
+    int8 = blockquant.int8_blocks(random_weight(64, 576, fmt))
+    x = torch.randn(19, 576, generator=torch.Generator().manual_seed(2))
+    together = blockquant.linear(x, int8)
+    for start, stop in ((0, 1), (5, 6), (3, 10), (0, 19), (18, 19)):
+        assert torch.equal(blockquant.linear(x[start:stop], int8), together[start:stop])
+
+
+@needs_vnni
+def test_a_float32_weight_is_rounded_to_q8_0_for_int8_products_and_misfits_are_left_alone():
+    weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(3))
+    int8 = blockquant.int8_blocks(weight)
+    rounded = blockquant.q8_0_blocks(weight).dequantize()
+    assert int8.format == "Q8_0" and (rounded - weight).abs().max() <= weight.abs().max() / 254 * 1.01
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(blockquant.linear(x, int8).double(), int8_reference(x, rounded), rtol=1e-5, atol=1e-5)
+    assert blockquant.int8_blocks(torch.randn(24, 64)) is None  # outputs: not whole groups of 16
+    assert blockquant.int8_blocks(torch.randn(32, 48)) is None  # inputs: not whole blocks of 32
+    assert blockquant.int8_blocks(torch.randn(32, 64).half()) is None
+
+
+@needs_vnni
+def test_packed_linear_on_int8_activations_runs_every_row_count_on_them():
+    weight = random_weight(32, 64, "Q4_1")
+    linear = PackedLinear(weight, int8_activations=True)
+    assert PackedLinear(weight).int8_blocks is None  # only asked for: the target's products stay float32
+    for rows in (1, BLOCKQUANT_MAX_ROWS + 1, 40):
+        x = torch.randn(rows, 64)
+        assert torch.equal(linear(x), blockquant.linear(x, linear.int8_blocks))
+    assert linear(torch.randn(0, 64)).shape == (0, 32)
+
+
+@needs_vnni
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_drafters_run_their_products_on_int8_and_the_target_does_not(tiny_llama_blocks, method, monkeypatch):
+    from specserve_runtime.drafters import DrafterError, ProposerOptions, build_proposer
+
+    def drafter_linears(proposer):
+        return [m for m in proposer.drafter.modules() if isinstance(m, PackedLinear)] + [proposer.head.linear]
+
+    options = ProposerOptions("random", 3, mask_token_id=95, seed=1)
+    monkeypatch.delenv("SPECSERVE_DRAFTER_INT8", raising=False)
+    assert all(m.int8_blocks is not None for m in drafter_linears(build_proposer(method, tiny_llama_blocks, options)))
+    assert all(m.int8_blocks is None for m in tiny_llama_blocks.modules() if isinstance(m, PackedLinear))
+    monkeypatch.setenv("SPECSERVE_DRAFTER_INT8", "0")
+    assert all(m.int8_blocks is None for m in drafter_linears(build_proposer(method, tiny_llama_blocks, options)))
+    monkeypatch.setenv("SPECSERVE_DRAFTER_INT8", "yes")
+    with pytest.raises(DrafterError, match="SPECSERVE_DRAFTER_INT8 is 1 .* not 'yes'"):
+        build_proposer(method, tiny_llama_blocks, options)
 
 
 def test_leading_axes_are_kept():
@@ -149,6 +222,7 @@ def test_the_onednn_baseline_decodes_on_float32_layouts_and_restores_the_blocks(
 def test_the_bench_names_the_weight_layouts_it_ran_on():
     from specserve_runtime.bench import machine
 
+    drafters = "int8" if blockquant.best_isa() >= 3 else "float32"
     assert machine()["weights"] == (f"GGUF blocks on the {blockquant.kernel_name()} kernel up to {BLOCKQUANT_MAX_ROWS} "
-                                    "rows, oneDNN float32 otherwise")
-    assert blockquant.kernel_name() in ("AVX-512", "AVX2")
+                                    f"rows, oneDNN float32 otherwise; drafters on {drafters} products")
+    assert blockquant.kernel_name() in ("AVX-512 VNNI", "AVX-512", "AVX2")

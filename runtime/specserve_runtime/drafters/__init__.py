@@ -4,6 +4,7 @@ The engine owns the target and its KV cache. A proposer only guesses tokens; the
 verifies every guess, so no proposer can change the output, only the speed.
 """
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
@@ -52,6 +53,16 @@ def propose_all(prototype: Proposer, work: list[tuple[Proposer, list[int], int]]
     return [drafts if isinstance(drafts, DraftTree) else DraftTree.chain(drafts) for drafts in proposals]
 
 
+def int8_drafting() -> bool:
+    """Whether drafters run their matrix products on int8 blocks (layers.PackedLinear, where the CPU has
+    AVX-512 VNNI): on unless SPECSERVE_DRAFTER_INT8=0. A drafter's numbers change only what it proposes;
+    verification by the target's own products decides what is committed."""
+    value = os.environ.get("SPECSERVE_DRAFTER_INT8", "1")
+    if value not in ("0", "1"):
+        raise DrafterError(f"SPECSERVE_DRAFTER_INT8 is 1 (drafters on int8 products) or 0 (float32), not {value!r}")
+    return value == "1"
+
+
 class ModelProposer:
     """What the drafters with a model (EAGLE-3, DFlash) share: the frozen target whose embedding and
     LM head they borrow, the drafter, and the target features committed since it last drafted.
@@ -61,7 +72,7 @@ class ModelProposer:
         self.target, self.drafter = target, drafter
         self.num_speculative_tokens = num_speculative_tokens
         self.tap_layers = drafter.config.target_layer_ids
-        self.head = DraftHead.for_inference(target.lm_head, draft_token_ids(drafter))
+        self.head = DraftHead.for_inference(target.lm_head, draft_token_ids(drafter), int8_drafting())
         self.pending: list[torch.Tensor] = []
 
     def extend_context(self, taps: torch.Tensor | None) -> None:

@@ -30,6 +30,7 @@ from . import (
     check_matches_target,
     checkpoint,
     drafter_source,
+    int8_drafting,
 )
 from .vocab import add_vocab_buffers, draft_token_ids
 
@@ -364,7 +365,7 @@ def build_dflash(target: Transformer, options: ProposerOptions) -> DFlashPropose
     else:
         drafter = load_dflash(source)
     check_matches_target("dflash", drafter.config, target.config)
-    fuse_projections(drafter)
+    fuse_projections(drafter, int8_activations=int8_drafting())
     max_drafts = drafter.config.block_size - 1
     point = checkpoint.operating_point(source, options, max_drafts)
     if point.num_speculative_tokens > max_drafts and not point.draft_tree:  # a tree's drafts spread over the block's slots

@@ -27,6 +27,7 @@ from . import (
     check_matches_target,
     checkpoint,
     drafter_source,
+    int8_drafting,
 )
 from .vocab import add_vocab_buffers
 
@@ -273,6 +274,6 @@ def build_eagle3(target: Transformer, options: ProposerOptions) -> Eagle3Propose
     else:
         drafter = load_eagle3(source)
     check_matches_target("eagle3", drafter.config, target.config)
-    fuse_projections(drafter)
+    fuse_projections(drafter, int8_activations=int8_drafting())
     point = checkpoint.operating_point(source, options, DEFAULT_TOKENS)
     return Eagle3Proposer(target, drafter, point.num_speculative_tokens, point.draft_tree)
