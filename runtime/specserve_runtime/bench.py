@@ -108,7 +108,7 @@ def machine() -> dict:
         cpu = names[0] if names else cpu
     kernel = blockquant.kernel_name()
     weights = f"GGUF blocks on the {kernel} kernel up to {BLOCKQUANT_MAX_ROWS} rows" if kernel else "no blockquant kernel"
-    drafters = "int8 products" if blockquant.best_isa() >= 3 and int8_drafting() else "float32 products"
+    drafters = "int8 products" if blockquant.int8_enabled() and int8_drafting() else "float32 products"
     return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "weights": f"{weights}, oneDNN float32 otherwise; drafters on {drafters}"}
 

@@ -109,14 +109,14 @@ class Int8Blocks:
 GROUP = 16  # outputs per int8 group: the 16 int32 lanes of an AVX-512 register
 
 
-def int8_blocks(weight: torch.Tensor) -> Int8Blocks | None:
-    """A weight for products on int8 activations: its exact blocks where it has them (exact_blocks), else
-    its values rounded to Q8_0; None where the int8 kernel does not run (no AVX-512 VNNI, or a weight
-    that is not float32 [n, k] with n a multiple of 16 and k of 32)."""
-    if (best_isa() < 3 or weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu"
+def int8_blocks(weight: torch.Tensor, exact: Blocks | None) -> Int8Blocks | None:
+    """A weight for products on int8 activations: its `exact` blocks where it has them (exact_blocks'
+    answer for it), else its values rounded to Q8_0; None where the int8 kernel does not run (no AVX-512
+    VNNI, or a weight that is not float32 [n, k] with n a multiple of 16 and k of 32)."""
+    if (not int8_enabled() or weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu"
             or weight.shape[0] % GROUP or weight.shape[1] % BLOCK):
         return None
-    return int8_layout(exact_blocks(weight) or q8_0_blocks(weight))
+    return int8_layout(exact or q8_0_blocks(weight))
 
 
 def int8_layout(blocks: Blocks) -> Int8Blocks:
@@ -172,6 +172,11 @@ def best_isa() -> int:
 
 def enabled() -> bool:
     return best_isa() > 0
+
+
+def int8_enabled() -> bool:
+    """Whether products on int8 activations run here (AVX-512 VNNI)."""
+    return best_isa() >= 3
 
 
 def kernel_name() -> str | None:

@@ -89,7 +89,7 @@ class PackedLinear(nn.Module):
         self.out_features = weight.shape[0]
         self.packed = _onednn_layout(weight)
         self.blocks = blockquant.exact_blocks(weight) if blockquant.enabled() else None
-        self.int8_blocks = blockquant.int8_blocks(weight) if int8_activations else None
+        self.int8_blocks = blockquant.int8_blocks(weight, self.blocks) if int8_activations else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(not blockquant.enabled(), reason="needs a C comp
 
 # Every instruction-set path this CPU runs: both on an AVX-512 machine.
 ISAS = [isa for isa in (1, 2) if isa <= blockquant.best_isa()]
-needs_vnni = pytest.mark.skipif(blockquant.best_isa() < 3, reason="int8 activations need AVX-512 VNNI")
+needs_vnni = pytest.mark.skipif(not blockquant.int8_enabled(), reason="int8 activations need AVX-512 VNNI")
 
 
 def random_weight(rows: int, columns: int, fmt: str, seed: int = 0) -> torch.Tensor:
@@ -82,7 +82,7 @@ def int8_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def test_on_int8_activations_the_product_is_x_rounded_per_block_times_the_weight(fmt, rows):
     weight = random_weight(48, 160, fmt, seed=rows)
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(1))
-    int8 = blockquant.int8_blocks(weight)
+    int8 = blockquant.int8_blocks(weight, blockquant.exact_blocks(weight))
     assert int8.format == fmt  # exact blocks are kept as they are, only x is rounded
     torch.testing.assert_close(blockquant.linear(x, int8).double(), int8_reference(x, weight), rtol=1e-5, atol=1e-5)
 
@@ -90,7 +90,8 @@ def test_on_int8_activations_the_product_is_x_rounded_per_block_times_the_weight
 @needs_vnni
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
 def test_on_int8_activations_a_row_has_the_same_bits_alone_and_among_others(fmt):
-    int8 = blockquant.int8_blocks(random_weight(64, 576, fmt))
+    weight = random_weight(64, 576, fmt)
+    int8 = blockquant.int8_blocks(weight, blockquant.exact_blocks(weight))
     x = torch.randn(19, 576, generator=torch.Generator().manual_seed(2))
     together = blockquant.linear(x, int8)
     for start, stop in ((0, 1), (5, 6), (3, 10), (0, 19), (18, 19)):
@@ -100,14 +101,14 @@ def test_on_int8_activations_a_row_has_the_same_bits_alone_and_among_others(fmt)
 @needs_vnni
 def test_a_float32_weight_is_rounded_to_q8_0_for_int8_products_and_misfits_are_left_alone():
     weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(3))
-    int8 = blockquant.int8_blocks(weight)
+    int8 = blockquant.int8_blocks(weight, blockquant.exact_blocks(weight))  # none: rounded
     rounded = blockquant.q8_0_blocks(weight).dequantize()
     assert int8.format == "Q8_0" and (rounded - weight).abs().max() <= weight.abs().max() / 254 * 1.01
     x = torch.randn(5, 64)
     torch.testing.assert_close(blockquant.linear(x, int8).double(), int8_reference(x, rounded), rtol=1e-5, atol=1e-5)
-    assert blockquant.int8_blocks(torch.randn(24, 64)) is None  # outputs: not whole groups of 16
-    assert blockquant.int8_blocks(torch.randn(32, 48)) is None  # inputs: not whole blocks of 32
-    assert blockquant.int8_blocks(torch.randn(32, 64).half()) is None
+    assert blockquant.int8_blocks(torch.randn(24, 64), None) is None  # outputs: not whole groups of 16
+    assert blockquant.int8_blocks(torch.randn(32, 48), None) is None  # inputs: not whole blocks of 32
+    assert blockquant.int8_blocks(torch.randn(32, 64).half(), None) is None
 
 
 @needs_vnni
@@ -222,7 +223,7 @@ def test_the_onednn_baseline_decodes_on_float32_layouts_and_restores_the_blocks(
 def test_the_bench_names_the_weight_layouts_it_ran_on():
     from specserve_runtime.bench import machine
 
-    drafters = "int8" if blockquant.best_isa() >= 3 else "float32"
+    drafters = "int8" if blockquant.int8_enabled() else "float32"
     assert machine()["weights"] == (f"GGUF blocks on the {blockquant.kernel_name()} kernel up to {BLOCKQUANT_MAX_ROWS} "
                                     f"rows, oneDNN float32 otherwise; drafters on {drafters} products")
     assert blockquant.kernel_name() in ("AVX-512 VNNI", "AVX-512", "AVX2")
