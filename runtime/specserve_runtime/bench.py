@@ -23,7 +23,7 @@ from .drafters import ProposerOptions, int8_drafting
 from .engine import Request
 from .layers import BLOCKQUANT_MAX_ROWS, PackedLinear, separate_projections, weight_layouts
 from .loader import LoadedModel, build_engine
-from .model import Segment
+from .model import Segment, Transformer
 from .verify import SamplingParams
 
 
@@ -98,19 +98,24 @@ def parse_baselines(text: str | None) -> list[Baseline]:
     return [BASELINES[name] for name in dict.fromkeys(names)]
 
 
-def machine() -> dict:
+def machine(target: Transformer | None = None) -> dict:
     """The CPU model, its logical cores, the threads every method and baseline runs on, and the engine's weight layouts
-    (the target's, the drafters')."""
+    and arithmetic (the target's, the drafters')."""
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
         names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                  if line.startswith("model name")]
         cpu = names[0] if names else cpu
     kernel = blockquant.kernel_name()
-    weights = f"GGUF blocks on the {kernel} kernel up to {BLOCKQUANT_MAX_ROWS} rows" if kernel else "no blockquant kernel"
-    drafters = "int8 products" if blockquant.int8_enabled() and int8_drafting() else "float32 products"
+    if target is not None and target.row_exact_attention:
+        weights = f"target on int8 products of the GGUF blocks ({kernel}) with row-exact attention"
+    elif kernel:
+        weights = f"GGUF blocks on the {kernel} kernel up to {BLOCKQUANT_MAX_ROWS} rows, oneDNN float32 otherwise"
+    else:
+        weights = "oneDNN float32"
+    drafters = "int8 products" if int8_drafting() else "float32 products"
     return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-            "weights": f"{weights}, oneDNN float32 otherwise; drafters on {drafters}"}
+            "weights": f"{weights}; drafters on {drafters}"}
 
 
 def held_out_sample(records: list[dict], per_category: int) -> list[dict]:

@@ -7,14 +7,16 @@ if they give back every float32 value bit for bit, so the kernel multiplies by e
 weights the float32 path does, from 3.6x (Q8_0) to 5.3x (Q4_1) fewer bytes (a one-token step
 reads every weight once and is bound by those reads). Other weights (a trained drafter's, a
 checkpoint in float32) have no such blocks and keep oneDNN's layout (layers.PackedLinear), except
-a drafter's: `int8_blocks` rounds them to Q8_0 and its products round their rows to int8 too,
-integer dot products as llama.cpp computes them (its numbers decide only what it proposes).
+a drafter's: `int8_blocks` rounds them to Q8_0 (its numbers decide only what it proposes). Where
+the CPU has AVX-512 VNNI, products round their rows to int8 too, integer dot products as llama.cpp
+computes them: the drafters' always, the target's on its exact blocks (SPECSERVE_TARGET_INT8).
 
 The kernel is plain C with AVX-512 and AVX2 paths chosen at run time (int8 rows: AVX-512 VNNI
 only), compiled once per source into the cache on first use (a C compiler is needed then; images
 ship it built, Dockerfile). It sums each output in one fixed order whatever the number of rows, so
 a row's product has the same bits alone, in a verify block or in a batch. Set
-SPECSERVE_BLOCKQUANT=0 to turn it off (SPECSERVE_DRAFTER_INT8=0: the drafters' int8 products only).
+SPECSERVE_BLOCKQUANT=0 to turn it off (SPECSERVE_DRAFTER_INT8=0, SPECSERVE_TARGET_INT8=0: the drafters' or
+the target's int8 products only). The same library holds the target's row-exact attention (attention.c).
 """
 
 import ctypes
@@ -34,7 +36,8 @@ from .store import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("blockquant.c")
+# One library: the matrix products, and the target's row-exact attention (attention.c, layers.attention_rows).
+SOURCES = (Path(__file__).with_name("blockquant.c"), Path(__file__).with_name("attention.c"))
 BLOCK = 32
 # The compiler's flags: no -march, the source picks its instruction set per CPU at run time, so
 # one build runs on any x86-64 machine. OpenMP resolves to the libgomp torch has already loaded.
@@ -163,6 +166,15 @@ def linear(x: torch.Tensor, blocks: Blocks | Int8Blocks, isa: int | None = None)
     return out.reshape(*x.shape[:-1], n)
 
 
+def int8_switch(name: str, default: str, error: type[Exception]) -> bool:
+    """An environment switch for int8 products: 1 on (where the CPU runs them, int8_enabled()), 0 off
+    (float32); any other value raises `error`, naming the variable."""
+    value = os.environ.get(name, default)
+    if value not in ("0", "1"):
+        raise error(f"{name} is 1 (int8 products) or 0 (float32 products), not {value!r}")
+    return value == "1" and int8_enabled()
+
+
 @functools.cache  # asked once: linear() runs on every matrix product of a step
 def best_isa() -> int:
     """3 for AVX-512 with VNNI, 2 for AVX-512, 1 for AVX2 with FMA, 0 for neither (the kernel then does not run)."""
@@ -199,6 +211,9 @@ def library() -> ctypes.CDLL | None:
     kernels.blockquant_linear.argtypes = [
         ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    kernels.attention_rows.restype = ctypes.c_int
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    kernels.attention_rows.argtypes = [pointer, size, size] * 3 + [pointer] * 4 + [size] * 6 + [pointer] * 2
     if kernels.blockquant_best_isa() == 0:
         log.warning("block-quantised kernels need AVX-512 or AVX2 with FMA: float32 weights instead")
         return None
@@ -206,8 +221,13 @@ def library() -> ctypes.CDLL | None:
 
 
 def library_name() -> str:
-    """blockquant-<the source's SHA-256, 16 hex digits>.so: a changed source is a new build."""
-    return f"blockquant-{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}.so"
+    """blockquant-<the sources' SHA-256, 16 hex digits>.so: a changed source is a new build."""
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
+    return f"blockquant-{digest.hexdigest()[:16]}.so"
+
+
+def target_names() -> str:
+    return " and ".join(source.name for source in SOURCES)
 
 
 def build(compiler: str | None = None) -> Path:
@@ -217,15 +237,16 @@ def build(compiler: str | None = None) -> Path:
             return Path(folder) / library_name()
     compiler = compiler or os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
-        raise OSError(f"no C compiler {compiler!r} on PATH to build {SOURCE.name} (set CC, or build it into "
+        raise OSError(f"no C compiler {compiler!r} on PATH to build {target_names()} (set CC, or build it into "
                       f"$SPECSERVE_KERNELS as the Dockerfile does)")
     target = cache_root() / "kernels" / library_name()
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, renamed in: concurrent builds are safe
         built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *CFLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True)
+        command = [compiler, *CFLAGS, "-o", str(built), *map(str, SOURCES)]
+        result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
-            raise OSError(f"{compiler} could not build {SOURCE.name}: {result.stderr.strip()[-2000:]}")
+            raise OSError(f"{compiler} could not build {target_names()}: {result.stderr.strip()[-2000:]}")
         built.replace(target)
     log.info("built %s with %s", target, compiler)
     return target

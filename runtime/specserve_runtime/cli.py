@@ -369,7 +369,7 @@ def cmd_bench(args) -> None:
     model = load_model(args.model)
     stats = run_bench(model, methods, baselines, prompts[: args.limit], args.max_new_tokens, args.repeats,
                       args.temperature, log=lambda message: print(message, file=sys.stderr, flush=True))
-    summary = summarize(stats, machine())
+    summary = summarize(stats, machine(model.target))
     if args.kernels:
         summary["kernels"] = decode_floor(model)
         summary["kernels"]["decode_step_ms_by_sequences"] = {

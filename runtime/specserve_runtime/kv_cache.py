@@ -23,11 +23,17 @@ class KVCache:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k/v [1, kv_heads, T, D] after `length`; return all valid keys/values of the layer."""
         end = self.length + k.shape[2]
-        if end > self.capacity:
-            raise ValueError(f"KV cache overflow: {end} positions needed, capacity {self.capacity}")
+        self.layer(layer, k.shape[2])
         self.k[layer, :, self.length : end] = k[0]
         self.v[layer, :, self.length : end] = v[0]
         return self.k[layer, :, :end].unsqueeze(0), self.v[layer, :, :end].unsqueeze(0)
+
+    def layer(self, layer: int, num_new: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's whole key/value buffers [kv_heads, capacity, D], for a forward that writes `num_new`
+        slots after `length` itself (layers.attention_rows)."""
+        if self.length + num_new > self.capacity:
+            raise ValueError(f"KV cache overflow: {self.length + num_new} positions needed, capacity {self.capacity}")
+        return self.k[layer], self.v[layer]
 
     def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All valid keys/values of a layer, [1, kv_heads, length, D]."""

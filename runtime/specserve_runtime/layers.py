@@ -62,12 +62,12 @@ class PackedLinear(nn.Module):
 
     Why: a decode step's matrix products are most of its time, and rows are what verifying
     drafts and batching sequences add. Three layouts, the first that applies:
-    - int8 blocks, for a drafter only (int8_activations): its weights as Q8_0 blocks (exactly, or
-      rounded), each row of x rounded to int8 per block of 32 as llama.cpp does, integer dot
-      products (blockquant.c). The rounding changes a drafter's numbers, so only what it proposes,
-      never what verification commits; the target's products stay float32, because their bits
-      must not depend on the rows beside them and attention's sums do, which rounding amplifies
-      (docs/benchmarks.md, "int8 activations");
+    - int8 blocks: each row of x rounded to int8 per block of 32 as llama.cpp does, integer dot
+      products (blockquant.c), every row count. A drafter's weights (int8_activations) become Q8_0
+      blocks, exactly or rounded: its numbers change only what it proposes, never what verification
+      commits. The target's, only where they are the GGUF file's blocks exactly (int8_target_products),
+      with row-exact attention beside them (attention.c): each row's product has the same bits
+      whatever the rows beside it, so verification computes plain decoding's logits;
     - the GGUF file's own blocks (blockquant.py), where the weight's float32 values are exactly
       Q4_1 or Q8_0 blocks (the default target's are): the same values from 3.6x (Q8_0) to 5.3x
       (Q4_1) fewer bytes, each row's product the same bits whatever the rows beside it; up to
@@ -120,6 +120,20 @@ def fuse_projections(model: nn.Module, int8_activations: bool = False) -> nn.Mod
                 if type(child) is nn.Linear and child.bias is None:  # the parameter, its name and ties are kept:
                     setattr(module, name, PackedLinear(child.weight, int8_activations))
     return model
+
+
+def int8_target_products(model: nn.Module) -> bool:
+    """Put every product of a fused target on int8 activations if every weight is the GGUF file's own
+    blocks (PackedLinear.blocks: then only the activations are rounded, per block of 32 as llama.cpp
+    rounds them, and each row's product keeps the same bits whatever the rows beside it); whether it did.
+    Other weights would be rounded too, a model of their own: they stay float32."""
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    int8 = [blockquant.int8_blocks(m.weight, m.blocks) if m.blocks is not None else None for m in linears]
+    if not linears or any(blocks is None for blocks in int8):
+        return False
+    for module, blocks in zip(linears, int8):
+        module.int8_blocks = blocks
+    return True
 
 
 @contextlib.contextmanager
@@ -229,6 +243,28 @@ def tree_mask(parents: list[int], num_cached: int) -> torch.Tensor:
     return mask
 
 
+def attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cache_k: torch.Tensor, cache_v: torch.Tensor, cached: int, visible: torch.Tensor) -> torch.Tensor:
+    """Row-exact attention (attention.c) for T new tokens of one sequence: q [T, heads, D], k and v
+    [T, kv_heads, D] before RoPE (cos/sin [T, D]); their keys and values go into one layer's cache
+    [kv_heads, capacity, D] at slots cached..cached+T-1; visible [T, T] bool, the new tokens each one sees.
+    Each row attends alone, as a one-token step would -> [T, heads * D]."""
+    rows, heads, head_dim = q.shape
+    if min(t.stride(-1) for t in (q, k, v)) != 1 or cos.shape != (rows, head_dim) or not cos.is_contiguous():
+        raise ValueError("attention_rows takes head vectors with unit stride and [rows, head_dim] RoPE tables")
+    visible = visible.to(torch.uint8).contiguous()
+    sin = sin.contiguous()
+    out = torch.empty(rows, heads * head_dim)
+    status = blockquant.library().attention_rows(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
+        v.stride(1), cos.data_ptr(), sin.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), cache_k.shape[1], heads,
+        cache_k.shape[0], head_dim, cached, rows, visible.data_ptr(), out.data_ptr())
+    if status != 0:
+        raise ValueError(f"attention_rows refused {heads} heads of {head_dim} over {cache_k.shape[0]} key heads "
+                         f"({rows} rows after {cached} cached, capacity {cache_k.shape[1]}): status {status}")
+    return out
+
+
 class Attention(nn.Module):
     """Grouped-query attention projections; how keys and values are gathered is the caller's choice."""
 
@@ -270,6 +306,16 @@ class Attention(nn.Module):
         else:  # the queries come along unused: on the few rows a step adds (DFlash's context), one
             _, k, v = self._fused_qkv(x)  # packed product costs less than two plain ones
         return self._key_value_heads(k, v, cos, sin)
+
+    def projected_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, heads, D], k and v [T, kv_heads, D] before RoPE (Qwen3's per-head norms applied):
+        views of the fused product where possible, for attention_rows."""
+        q, k, v = self._fused_qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q = q.view(x.shape[0], self.num_heads, self.head_dim)
+        k = k.view(x.shape[0], self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v.view(x.shape[0], self.num_kv_heads, self.head_dim)
 
     def query_key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         if self.qkv is None:

@@ -18,9 +18,20 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from . import blockquant
 from .errors import ModelError
 from .kv_cache import KVCache
-from .layers import MLP, Attention, RMSNorm, RotaryEmbedding, causal_mask, fuse_projections, tree_mask
+from .layers import (
+    MLP,
+    Attention,
+    RMSNorm,
+    RotaryEmbedding,
+    attention_rows,
+    causal_mask,
+    fuse_projections,
+    int8_target_products,
+    tree_mask,
+)
 from .verify import tree_depths
 
 SUPPORTED_ARCHITECTURES = {"llama": False, "qwen3": True}  # model_type -> per-head q/k norm
@@ -85,16 +96,32 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.mlp = MLP(h, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, batch: list["Segment"], layer: int, masks: list):
-        """x [N, H]: the new tokens of every segment, end to end."""
-        q, k, v = self.self_attn.query_key_value(self.input_layernorm(x), cos, sin)  # [1, heads, N, D]
+    def forward(self, x, cos, sin, batch: list["Segment"], layer: int, masks: list, row_exact: bool):
+        """x [N, H]: the new tokens of every segment, end to end; masks: each segment's mask(), or its
+        visible() for row-exact attention."""
+        attention = self._row_exact_attention if row_exact else self._batched_attention
+        x = x + attention(self.input_layernorm(x), cos, sin, batch, layer, masks)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _row_exact_attention(self, h, cos, sin, batch: list["Segment"], layer: int, visible: list) -> torch.Tensor:
+        """attention.c per segment: RoPE, the cache writes, and each row's attention alone -> [N, H]."""
+        sizes = [segment.num_tokens for segment in batch]
+        q, k, v = (t.split(sizes) for t in self.self_attn.projected_heads(h))
+        attended = []
+        for segment, seen, q_s, k_s, v_s, cos_s, sin_s in zip(batch, visible, q, k, v, cos.split(sizes), sin.split(sizes)):
+            cache_k, cache_v = segment.cache.layer(layer, segment.num_tokens)
+            attended.append(attention_rows(q_s, k_s, v_s, cos_s, sin_s, cache_k, cache_v, segment.cache.length, seen))
+        return self.self_attn.o_proj(torch.cat(attended))
+
+    def _batched_attention(self, h, cos, sin, batch: list["Segment"], layer: int, masks: list) -> torch.Tensor:
+        """RoPE in torch, then SDPA over each segment's rows at once, against its cache -> [N, H]."""
+        q, k, v = self.self_attn.query_key_value(h, cos, sin)  # [1, heads, N, D]
         sizes = [segment.num_tokens for segment in batch]
         attended = []
         for segment, mask, q_s, k_s, v_s in zip(batch, masks, q.split(sizes, 2), k.split(sizes, 2), v.split(sizes, 2)):
             k_all, v_all = segment.cache.write(layer, k_s, v_s)
             attended.append(self.self_attn.attend(q_s, k_all, v_all, mask))
-        x = x + self.self_attn.project_out(torch.cat(attended, dim=2))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.self_attn.project_out(torch.cat(attended, dim=2))
 
 
 @dataclass
@@ -123,6 +150,12 @@ class Segment:
             return causal_mask(self.num_tokens, self.cache.length + self.num_tokens)
         return tree_mask(self.parents, self.cache.length)
 
+    def visible(self) -> torch.Tensor:
+        """[T, T] bool: the new tokens each new token sees besides the cached ones (mask()'s last T columns)."""
+        if self.parents is None:
+            return torch.ones(self.num_tokens, self.num_tokens, dtype=torch.bool).tril()
+        return tree_mask(self.parents, 0)
+
 
 @dataclass
 class TargetOutput:
@@ -141,6 +174,7 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.row_exact_attention = False  # attention.c for every segment (load_target: with int8 products)
 
     def new_cache(self, capacity: int) -> KVCache:
         cfg = self.config
@@ -163,11 +197,11 @@ class Transformer(nn.Module):
         sizes = [segment.num_tokens for segment in batch]
         # Each token's position continues its own sequence, so RoPE and the masks are per segment.
         cos, sin = self.rotary(torch.cat([segment.positions() for segment in batch]))
-        masks = [segment.mask() for segment in batch]
+        masks = [segment.visible() if self.row_exact_attention else segment.mask() for segment in batch]
         x = self.embed_tokens(torch.cat([segment.tokens for segment in batch]))  # [N, H]
         taps = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, batch, i, masks)
+            x = layer(x, cos, sin, batch, i, masks, self.row_exact_attention)
             if i in tap_layers:
                 taps.append(x)
         ends = torch.tensor(sizes).cumsum(0).tolist()
@@ -214,4 +248,8 @@ def load_target(folder: str | Path, dtype=torch.float32) -> Transformer:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     # The target only ever runs inference: fewer, larger matrix products, on packed weights.
-    return fuse_projections(model.eval().requires_grad_(False))
+    model = fuse_projections(model.eval().requires_grad_(False))
+    if blockquant.int8_switch("SPECSERVE_TARGET_INT8", "1", ModelError):
+        # With the row-exact attention that keeps a verified row's bits those of a one-token step.
+        model.row_exact_attention = int8_target_products(model)
+    return model

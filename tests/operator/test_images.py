@@ -69,11 +69,15 @@ def test_the_cpu_image_ships_the_kernels_blockquant_would_build_and_looks_for_th
     from specserve_runtime import blockquant
 
     kernels, runtime_cpu = stages()["kernels"], stages()["runtime-cpu"]
-    source = "runtime/specserve_runtime/blockquant.c"
-    assert instructions(kernels, "COPY") == [f"{source} /src/"] and blockquant.SOURCE.samefile(source)
-    name = '"/kernels/blockquant-$(sha256sum /src/blockquant.c | cut -c1-16).so"'  # blockquant.library_name()
-    assert instructions(kernels, "RUN") == [f"mkdir /kernels && gcc {' '.join(blockquant.CFLAGS)} -o {name} /src/blockquant.c"]
-    assert blockquant.library_name() == f"blockquant-{subprocess.check_output(['sha256sum', source], text=True)[:16]}.so"
+    sources = [f"runtime/specserve_runtime/{name}" for name in ("blockquant.c", "attention.c")]
+    assert instructions(kernels, "COPY") == [f"{' '.join(sources)} /src/"]
+    assert [path.resolve() for path in blockquant.SOURCES] == [Path(source).resolve() for source in sources]
+    built = "/src/blockquant.c /src/attention.c"
+    name = f'"/kernels/blockquant-$(cat {built} | sha256sum | cut -c1-16).so"'  # blockquant.library_name()
+    assert instructions(kernels, "RUN") == [f"mkdir /kernels && gcc {' '.join(blockquant.CFLAGS)} -o {name} {built}"]
+    digest = subprocess.run(["sha256sum"], input=b"".join(Path(source).read_bytes() for source in sources),
+                            capture_output=True, check=True).stdout.decode()[:16]
+    assert blockquant.library_name() == f"blockquant-{digest}.so"
     assert "--from=kernels /kernels/ /opt/specserve/kernels/" in instructions(runtime_cpu, "COPY")
     assert "SPECSERVE_KERNELS=/opt/specserve/kernels" in instructions(runtime_cpu, "ENV")[-1].split()
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from specserve_runtime import blockquant
 from specserve_runtime.model import load_target
 
 
@@ -58,7 +59,7 @@ def gguf_values(weight: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_blocks(tmp_path_factory):
+def tiny_llama_blocks_dir(tmp_path_factory):
     """The tiny llama with weights as the default target's GGUF file stores them: layers in Q4_1, the tied embedding
     in Q8_0; so its PackedLinears run the block-quantised kernels (blockquant.py)."""
     folder = tmp_path_factory.mktemp("tiny-llama-blocks")
@@ -68,12 +69,34 @@ def tiny_llama_blocks(tmp_path_factory):
             if parameter.dim() == 2:
                 parameter.copy_(gguf_values(parameter, "Q8_0" if "embed_tokens" in name else "Q4_1"))
     model.save_pretrained(folder)
-    return load_target(folder)
+    return folder
 
 
-@pytest.fixture(params=["tiny_llama", "tiny_llama_blocks"])
+def load_with_target_int8(folder, value: str):
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SPECSERVE_TARGET_INT8", value)
+        return load_target(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_blocks(tiny_llama_blocks_dir):
+    """Its products on the blocks with float32 activations (SPECSERVE_TARGET_INT8=0), attention by SDPA."""
+    return load_with_target_int8(tiny_llama_blocks_dir, "0")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_int8(tiny_llama_blocks_dir):
+    """Its products on the blocks with int8 activations, the engine's default where the CPU has AVX-512 VNNI,
+    with row-exact attention (attention.c)."""
+    if not blockquant.int8_enabled():
+        pytest.skip("int8 activations need AVX-512 VNNI")
+    return load_with_target_int8(tiny_llama_blocks_dir, "1")
+
+
+@pytest.fixture(params=["tiny_llama", "tiny_llama_blocks", "tiny_llama_int8"])
 def tiny_target(request):
-    """Each tiny llama in turn: float32 weights (oneDNN's products), then GGUF block values (blockquant's)."""
+    """Each tiny llama in turn: float32 weights (oneDNN's products), then GGUF block values (blockquant's), with
+    float32 and with int8 activations."""
     return request.getfixturevalue(request.param)
 
 

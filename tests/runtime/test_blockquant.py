@@ -188,7 +188,7 @@ def test_a_failed_build_names_the_compiler_and_the_error(tmp_path, monkeypatch):
     broken = tmp_path / "broken-cc"
     broken.write_text("#!/bin/sh\necho 'internal compiler error: out of luck' >&2\nexit 1\n")
     broken.chmod(0o755)
-    with pytest.raises(OSError, match="could not build blockquant.c: internal compiler error: out of luck"):
+    with pytest.raises(OSError, match="could not build blockquant.c and attention.c: internal compiler error: out of luck"):
         blockquant.build(str(broken))
     assert not list((tmp_path / "kernels").iterdir())  # nothing half-written is left to be loaded later
 
@@ -220,10 +220,14 @@ def test_the_onednn_baseline_decodes_on_float32_layouts_and_restores_the_blocks(
     assert calls and plain.token_ids == tokens  # the engine's own layout again afterwards, and the same output here
 
 
-def test_the_bench_names_the_weight_layouts_it_ran_on():
+def test_the_bench_names_the_weight_layouts_it_ran_on(tiny_llama_blocks, request):
     from specserve_runtime.bench import machine
 
     drafters = "int8" if blockquant.int8_enabled() else "float32"
-    assert machine()["weights"] == (f"GGUF blocks on the {blockquant.kernel_name()} kernel up to {BLOCKQUANT_MAX_ROWS} "
-                                    f"rows, oneDNN float32 otherwise; drafters on {drafters} products")
+    assert machine(tiny_llama_blocks)["weights"] == (
+        f"GGUF blocks on the {blockquant.kernel_name()} kernel up to {BLOCKQUANT_MAX_ROWS} rows, oneDNN float32 "
+        f"otherwise; drafters on {drafters} products")
     assert blockquant.kernel_name() in ("AVX-512 VNNI", "AVX-512", "AVX2")
+    if blockquant.int8_enabled():
+        assert machine(request.getfixturevalue("tiny_llama_int8"))["weights"] == (
+            "target on int8 products of the GGUF blocks (AVX-512 VNNI) with row-exact attention; drafters on int8 products")

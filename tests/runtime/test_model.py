@@ -2,10 +2,12 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specserve_runtime.kv_cache import KVCache
-from specserve_runtime.layers import causal_mask, tree_mask
+from specserve_runtime.layers import RotaryEmbedding, apply_rope, attention_rows, causal_mask, tree_mask
 from specserve_runtime.model import Segment, load_target
+from specserve_runtime.verify import tree_depths
 
 from .conftest import save_tiny_hf_model
 
@@ -180,3 +182,75 @@ def test_packed_linears_compute_what_f_linear_computes(tiny_llama):
         plain = tiny_llama(tokens, tiny_llama.new_cache(8)).logits
     assert all(m.packed is not None for m in packed) == torch.backends.mkldnn.is_available()
     torch.testing.assert_close(logits, plain, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("parents", [None, [-1, 0, 0, 2, 1]], ids=["chain", "tree"])
+@pytest.mark.parametrize("target", ["tiny_llama_blocks", "tiny_llama_int8"])
+def test_every_verified_row_has_the_bits_of_a_one_token_step(request, target, parents):
+    """What keeps greedy speculative output plain decoding's on int8 activations: a verify block's row of logits
+    is computed exactly as the one-token step at its place computes it (row-invariant products, row-exact
+    attention), for a chain and for a tree's branches. On float32 activations (SDPA's batched attention) a row
+    may differ in the last bits, harmless there (docs/benchmarks.md, "int8 activations")."""
+    model = request.getfixturevalue(target)
+    assert model.row_exact_attention == (target == "tiny_llama_int8")
+    prompt, tokens = torch.tensor([5, 17, 42, 8, 3, 60]), [7, 11, 13, 19, 23]
+    cache = model.new_cache(32)
+    model(prompt, cache)
+    block = model.forward_batch([Segment(torch.tensor(tokens), cache, len(tokens), parents)])[0].logits
+    parents = parents or [-1, 0, 1, 2, 3]
+    identical = []
+    for row in range(len(tokens)):
+        path = [row]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        steps = model.new_cache(32)
+        model(prompt, steps)
+        for node in reversed(path):
+            logits = model(torch.tensor([tokens[node]]), steps).logits
+        torch.testing.assert_close(block[row], logits[0], rtol=1e-4, atol=1e-4)
+        identical.append(torch.equal(block[row], logits[0]))
+    assert all(identical) or not model.row_exact_attention
+
+
+def test_row_exact_attention_is_attention_and_each_row_computes_alone():
+    """attention_rows against RoPE, the cache writes and SDPA with the same mask in torch (a tree after cached keys,
+    grouped-query heads), and each row's output bit for bit what it gives as the only new row after the keys it
+    sees, laid at consecutive slots as plain decoding has them."""
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, capacity, cached = 4, 2, 32, 40, 21
+    parents = [-1, 0, 0, 1, 2, 2]
+    rows = len(parents)
+    cache_k, cache_v = torch.randn(kv_heads, capacity, head_dim), torch.randn(kv_heads, capacity, head_dim)
+    q, k, v = torch.randn(rows, heads, head_dim), torch.randn(rows, kv_heads, head_dim), torch.randn(rows, kv_heads, head_dim)
+    cos, sin = RotaryEmbedding(head_dim, 10000.0)(cached - 1 + torch.tensor(tree_depths(parents)))
+    written_k, written_v = cache_k.clone(), cache_v.clone()
+    out = attention_rows(q, k, v, cos, sin, written_k, written_v, cached, tree_mask(parents, 0))
+
+    def heads_first(x):
+        return x.transpose(0, 1).unsqueeze(0)  # [T, heads, D] -> [1, heads, T, D]
+
+    torch.testing.assert_close(written_k[:, cached : cached + rows], apply_rope(heads_first(k), cos, sin)[0])
+    assert torch.equal(written_v[:, cached : cached + rows], v.transpose(0, 1))
+    assert torch.equal(written_k[:, :cached], cache_k[:, :cached]) and torch.equal(written_k[:, cached + rows :], cache_k[:, cached + rows :])
+    mask = tree_mask(parents, cached)
+    keys, values = written_k[None, :, : cached + rows], written_v[None, :, : cached + rows]
+    expected = F.scaled_dot_product_attention(apply_rope(heads_first(q), cos, sin), keys, values, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(out, expected[0].transpose(0, 1).reshape(rows, -1), rtol=1e-5, atol=1e-5)
+    for row in range(rows):
+        seen = mask[row].nonzero().squeeze(1)[:-1]  # the keys before its own
+        alone_k, alone_v = torch.zeros_like(cache_k), torch.zeros_like(cache_v)
+        alone_k[:, : len(seen)], alone_v[:, : len(seen)] = written_k[:, seen], written_v[:, seen]
+        alone = attention_rows(q[row : row + 1], k[row : row + 1], v[row : row + 1], cos[row : row + 1],
+                               sin[row : row + 1], alone_k, alone_v, len(seen), torch.ones(1, 1, dtype=torch.bool))
+        assert torch.equal(alone[0], out[row])
+
+
+def test_attention_rows_refuses_what_it_cannot_compute():
+    q, k, cache = torch.randn(3, 2, 24), torch.randn(3, 1, 24), torch.randn(1, 8, 24)  # head_dim 24: not a multiple of 16
+    cos = torch.ones(3, 24)
+    with pytest.raises(ValueError, match="attention_rows refused 2 heads of 24"):
+        attention_rows(q, k, k, cos, cos, cache, cache, 0, torch.ones(3, 3, dtype=torch.bool).tril())
+    cache = KVCache(1, 1, 16, 4)
+    cache.advance(3)
+    with pytest.raises(ValueError, match="KV cache overflow: 5 positions needed, capacity 4"):
+        cache.layer(0, 2)

@@ -4,13 +4,13 @@ The engine owns the target and its KV cache. A proposer only guesses tokens; the
 verifies every guess, so no proposer can change the output, only the speed.
 """
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
 import torch
 
+from .. import blockquant
 from ..errors import DrafterError
 from ..model import ModelConfig, Transformer
 from ..verify import DraftTree
@@ -57,10 +57,7 @@ def int8_drafting() -> bool:
     """Whether drafters run their matrix products on int8 blocks (layers.PackedLinear, where the CPU has
     AVX-512 VNNI): on unless SPECSERVE_DRAFTER_INT8=0. A drafter's numbers change only what it proposes;
     verification by the target's own products decides what is committed."""
-    value = os.environ.get("SPECSERVE_DRAFTER_INT8", "1")
-    if value not in ("0", "1"):
-        raise DrafterError(f"SPECSERVE_DRAFTER_INT8 is 1 (drafters on int8 products) or 0 (float32), not {value!r}")
-    return value == "1"
+    return blockquant.int8_switch("SPECSERVE_DRAFTER_INT8", "1", DrafterError)
 
 
 class ModelProposer:

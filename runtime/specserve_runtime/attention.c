@@ -1,0 +1,150 @@
+/* Row-exact attention for the target: every query row computed alone, in one fixed order.
+
+   Why: verification must compute each row's logits exactly as the one-token step at its place
+   would, or a near tie can commit another token than plain decoding. The matrix products are
+   row-invariant (blockquant.c); a library's attention over T query rows is not (it blocks the
+   rows and keys by T, so a row's sums run in another order than alone). A last-bit difference is
+   harmless on float32 activations, but rounding activations to int8 turns it into a whole step
+   (docs/benchmarks.md, "int8 activations"). Here each (row, head) pair runs the same code over
+   the same keys in the same order as a one-token step: its bits do not depend on the other rows.
+
+   It also does what comes before attention on the new tokens' rows, RoPE on queries and keys and the
+   keys' and values' writes into the cache, in one call instead of a dozen small torch operations.
+
+   The keys a row sees: the `cached` slots 0..cached-1 of its layer's cache, then the new tokens j
+   (slots cached + j) that visible[row][j] allows, ascending: for a chain, the row's predecessors
+   and itself; for a draft tree, its ancestors and itself, whose keys equal those the one-token
+   steps along that branch stored at consecutive slots. A key's place in that list, not its slot,
+   decides every summation order below.
+
+   Per (row, head): scores s_n = q . k_n / sqrt(D), each a dot product of 16-lane partial sums
+   reduced in one fixed order; p_n = exp(s_n - max s); out = sum_n p_n v_n / sum_n p_n, summed
+   in list order (16 lanes over n for the denominator, lanes over D for the numerator). AVX-512
+   only: the target's int8 products, which need it, run on AVX-512 VNNI. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <immintrin.h>
+
+#define LANES 16
+
+/* exp(x) for x <= 0 (Cephes' expf: range reduction by ln 2, a degree-6 polynomial, 1-2 ulp);
+   below -87.3 the result is 2^-126-ish, not 0, as a softmax weight that is nothing anyway. */
+__attribute__((target("avx512f")))
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);  /* p * 2^n */
+}
+
+static inline __mmask16 live_lanes(int64_t left) {  /* the first min(left, 16) lanes */
+    return left >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+}
+
+__attribute__((target("avx512f")))
+static inline float dot512(const float *a, const float *b, int64_t d) {
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
+    for (int64_t i = LANES; i < d; i += LANES)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* One (row, head): q [D] over the keys listed in `slots` [n_keys] of k/v [capacity, D] -> out [D].
+   `p` holds n_keys rounded up to 16 floats. */
+__attribute__((target("avx512f")))
+static void attend_one(const float *q, const float *k, const float *v, const int32_t *slots, int64_t n_keys,
+                       int64_t d, float scale, float *p, float *out) {
+    for (int64_t n = 0; n < n_keys; n++) p[n] = dot512(q, k + slots[n] * d, d) * scale;
+    __m512 most = _mm512_set1_ps(-INFINITY);
+    for (int64_t n = 0; n < n_keys; n += LANES)
+        most = _mm512_max_ps(most, _mm512_mask_loadu_ps(most, live_lanes(n_keys - n), p + n));
+    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(most));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t n = 0; n < n_keys; n += LANES) {
+        const __mmask16 live = live_lanes(n_keys - n);
+        const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, p + n), shift)));
+        _mm512_mask_storeu_ps(p + n, live, e);
+        total = _mm512_add_ps(total, e);
+    }
+    const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+    /* The weighted values: four partial sums (keys n = 0, 1, 2, 3 mod 4), so that consecutive FMAs do not
+       wait on each other, added in one order at the end. */
+    for (int64_t i = 0; i < d; i += LANES) {
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int64_t n = 0; n < n_keys; n++)
+            acc[n & 3] = _mm512_fmadd_ps(_mm512_set1_ps(p[n]), _mm512_loadu_ps(v + slots[n] * d + i), acc[n & 3]);
+        const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(sum, inverse));
+    }
+}
+
+/* x [d] rotated by RoPE (Hugging Face's rotate-half convention) at the position whose tables are cos/sin [d]. */
+static void rope(const float *x, const float *cos, const float *sin, int64_t d, float *out) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i++) {
+        out[i] = x[i] * cos[i] - x[i + half] * sin[i];
+        out[i + half] = x[i + half] * cos[i + half] + x[i] * sin[i + half];
+    }
+}
+
+/* One layer's attention for `rows` new tokens of one sequence, after `cached` positions:
+   - their keys (RoPE applied) and values go into the layer's cache k/v [kv_heads, capacity, D] at
+     slots cached..cached+rows-1;
+   - out[rows, heads * D] = each row's query (RoPE applied) attending to the keys visible[rows, rows]
+     lets it see, as above.
+   q, k_new, v_new: head h of row r at q[r * q_row + h * q_head] (views of the fused q/k/v product);
+   cos/sin [rows, D]: each row's position. Query head h reads key head h / (heads / kv_heads).
+   0 on success, -1 for shapes it does not take, -2 when memory runs out. */
+int attention_rows(const float *q, int64_t q_row, int64_t q_head, const float *k_new, int64_t k_row, int64_t k_head,
+                   const float *v_new, int64_t v_row, int64_t v_head, const float *cos, const float *sin,
+                   float *k, float *v, int64_t capacity, int64_t heads, int64_t kv_heads, int64_t d, int64_t cached,
+                   int64_t rows, const uint8_t *visible, float *out) {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx512f") || d % LANES != 0 || heads % kv_heads != 0 || cached + rows > capacity)
+        return -1;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < kv_heads; g++) {
+            const int64_t slot = (g * capacity + cached + r) * d;
+            rope(k_new + r * k_row + g * k_head, cos + r * d, sin + r * d, d, k + slot);
+            for (int64_t i = 0; i < d; i++) v[slot + i] = v_new[r * v_row + g * v_head + i];
+        }
+    const float scale = 1.0f / sqrtf((float)d);
+    const int64_t group = heads / kv_heads, most_keys = cached + rows;
+    int failed = 0;
+    #pragma omp parallel reduction(|:failed)
+    {
+        int32_t *slots = malloc(most_keys * sizeof(int32_t));
+        float *p = malloc((((most_keys + LANES - 1) / LANES) * LANES + d) * sizeof(float));
+        #pragma omp for schedule(static) collapse(2)
+        for (int64_t row = 0; row < rows; row++)
+            for (int64_t h = 0; h < heads; h++) {
+                if (!slots || !p) {  /* still take part in the loop: every thread must reach it */
+                    failed = 1;
+                    continue;
+                }
+                int64_t n_keys = 0;
+                for (int64_t s = 0; s < cached; s++) slots[n_keys++] = (int32_t)s;
+                for (int64_t j = 0; j < rows; j++)
+                    if (visible[row * rows + j]) slots[n_keys++] = (int32_t)(cached + j);
+                float *query = p + ((most_keys + LANES - 1) / LANES) * LANES;
+                rope(q + row * q_row + h * q_head, cos + row * d, sin + row * d, d, query);
+                const int64_t kv = h / group;
+                attend_one(query, k + kv * capacity * d, v + kv * capacity * d, slots, n_keys, d, scale, p,
+                           out + (row * heads + h) * d);
+            }
+        free(slots);
+        free(p);
+    }
+    return failed ? -2 : 0;
+}
