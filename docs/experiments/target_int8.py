@@ -2,7 +2,9 @@
 side by side in one process, for plain decoding and the bundled drafters, interleaved in rounds.
 
 Greedy, 6 of set v2's held-out prompts (2 per category), 96 new tokens each; decode tokens per second,
-median of the rounds, and whether each method's outputs are plain decoding's on the same target.
+median of the rounds, and whether each method's outputs are plain decoding's on the same target. Then what
+int8 does to the model: the mean negative log-likelihood, under each target, of the float32 target's own
+greedy continuations.
 Run: .venv/bin/python docs/experiments/target_int8.py   (results in docs/benchmarks.md, "The target on int8")
 """
 
@@ -11,6 +13,9 @@ import os
 import statistics
 import sys
 from pathlib import Path
+
+import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "runtime"))
 from specserve_runtime.bench import held_out_sample, method_spec
@@ -44,3 +49,13 @@ for (target, method), values in rates.items():
     same = sum(a == b for a, b in zip(outputs[target, method], outputs[target, "ar"]))
     print(f"| {target} | {method} | {statistics.median(values):.1f} | {' / '.join(f'{v:.1f}' for v in values)} | "
           f"{statistics.median(values) / base:.2f}x | {same} of {len(prompts)} |")
+
+continuations = outputs["float32", "ar"]
+for target, model in models.items():
+    losses = []
+    for prompt, continuation in zip(prompts, continuations):
+        tokens = torch.tensor(prompt + continuation)
+        logits = model.target(tokens, model.target.new_cache(len(tokens))).logits
+        # the logits at position i predict token i + 1: those of the continuation's tokens
+        losses.append(F.cross_entropy(logits[len(prompt) - 1 : -1], tokens[len(prompt) :], reduction="sum").item())
+    print(f"{target} target: mean NLL of the float32 greedy continuations {sum(losses) / sum(map(len, continuations)):.4f}")
