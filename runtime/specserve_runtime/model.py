@@ -176,6 +176,11 @@ class Transformer(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.row_exact_attention = False  # attention.c for every segment (load_target: with int8 products)
 
+    @property
+    def activations(self) -> str:
+        """What its matrix products multiply the weights by: "int8" rows (with row-exact attention) or "float32"."""
+        return "int8" if self.row_exact_attention else "float32"
+
     def new_cache(self, capacity: int) -> KVCache:
         cfg = self.config
         return KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity, self.lm_head.weight.dtype)

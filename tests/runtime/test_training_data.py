@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from specserve_runtime import blockquant
 from specserve_runtime.training import distill as distilling
 from specserve_runtime.training import sources
 from specserve_runtime.training.sources import build_prompt_set, build_turn_set, classify, json_array_items, summary, usable
@@ -154,6 +155,12 @@ def test_distillation_resumes_and_refuses_a_truncated_shard_or_other_settings(tm
         run(max_new_tokens=5)
     with pytest.raises(ValueError, match="vocabulary, but the target has 96"):
         distilling.read_shards(out, vocab_size=96)
+    if blockquant.int8_enabled():  # the target's arithmetic decides its responses: it is a setting too
+        assert manifest["settings"]["target_activations"] == "int8"
+        monkeypatch.setenv("SPECSERVE_TARGET_INT8", "0")
+        with pytest.raises(ValueError, match=r"other settings \(target_activations 'int8' -> 'float32'\)"):
+            run()
+        monkeypatch.delenv("SPECSERVE_TARGET_INT8")
 
     truncated = shards[1].read_bytes()[:-10]
     shards[1].write_bytes(truncated)
@@ -162,6 +169,14 @@ def test_distillation_resumes_and_refuses_a_truncated_shard_or_other_settings(tm
     with pytest.raises(ValueError, match=r"shard-00001\.jsonl does not match the hash"):
         distilling.read_shards(out)
     assert shards[1].read_bytes() == truncated and shards[0].read_bytes() == written[shards[0]]  # nothing touched
+
+
+def test_a_manifest_from_before_the_int8_target_resumes_only_on_the_float32_target(tmp_path):
+    (tmp_path / "distill.json").write_text(json.dumps({"settings": {"model": "m"}, "shards": {}}))
+    resumed = distilling._open_manifest(tmp_path, {"model": "m", "target_activations": "float32"})
+    assert resumed["settings"]["target_activations"] == "float32"
+    with pytest.raises(ValueError, match=r"other settings \(target_activations 'float32' -> 'int8'\).*SPECSERVE_TARGET_INT8"):
+        distilling._open_manifest(tmp_path, {"model": "m", "target_activations": "int8"})
 
 
 def test_a_continuation_decodes_further_the_responses_cut_at_the_limit_and_resumes(tmp_path, monkeypatch):

@@ -54,7 +54,8 @@ def distill(
     out_dir = Path(out_dir)
     loaded = load_model(model)
     engine = build_engine(loaded, "ar")
-    settings = {"model": str(model), "vocab_size": len(loaded.tokenizer)}
+    # The target's arithmetic decides its greedy responses: int8 shards never continue float32 ones.
+    settings = {"model": str(model), "vocab_size": len(loaded.tokenizer), "target_activations": loaded.target.activations}
     if continue_from is None:
         prompts_file = prompts_file or PROMPTS_FILE
         records = read_prompts(prompts_file, split=split)[:limit]
@@ -180,10 +181,11 @@ def _open_manifest(out_dir: Path, settings: dict) -> dict:
         stored = manifest["settings"]
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise ValueError(f"{path}: unreadable manifest ({exc}); restore it or use a new --out folder") from exc
+    stored.setdefault("target_activations", "float32")  # every folder distilled before the int8 target
     changed = [f"{key} {stored.get(key)!r} -> {value!r}" for key, value in settings.items() if stored.get(key) != value]
     if changed:
-        raise ValueError(f"{path} was written with other settings ({'; '.join(changed)}): "
-                         "resume with the same target, prompts and flags, or use a new --out folder")
+        raise ValueError(f"{path} was written with other settings ({'; '.join(changed)}): resume with the same "
+                         "target (and SPECSERVE_TARGET_INT8), prompts and flags, or use a new --out folder")
     return manifest
 
 
