@@ -226,7 +226,7 @@ def library_name() -> str:
     return f"blockquant-{digest.hexdigest()[:16]}.so"
 
 
-def target_names() -> str:
+def source_names() -> str:
     return " and ".join(source.name for source in SOURCES)
 
 
@@ -237,7 +237,7 @@ def build(compiler: str | None = None) -> Path:
             return Path(folder) / library_name()
     compiler = compiler or os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
-        raise OSError(f"no C compiler {compiler!r} on PATH to build {target_names()} (set CC, or build it into "
+        raise OSError(f"no C compiler {compiler!r} on PATH to build {source_names()} (set CC, or build it into "
                       f"$SPECSERVE_KERNELS as the Dockerfile does)")
     target = cache_root() / "kernels" / library_name()
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -246,7 +246,7 @@ def build(compiler: str | None = None) -> Path:
         command = [compiler, *CFLAGS, "-o", str(built), *map(str, SOURCES)]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
-            raise OSError(f"{compiler} could not build {target_names()}: {result.stderr.strip()[-2000:]}")
+            raise OSError(f"{compiler} could not build {source_names()}: {result.stderr.strip()[-2000:]}")
         built.replace(target)
     log.info("built %s with %s", target, compiler)
     return target

@@ -254,7 +254,8 @@ def load_target(folder: str | Path, dtype=torch.float32) -> Transformer:
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     # The target only ever runs inference: fewer, larger matrix products, on packed weights.
     model = fuse_projections(model.eval().requires_grad_(False))
-    if blockquant.int8_switch("SPECSERVE_TARGET_INT8", "1", ModelError):
-        # With the row-exact attention that keeps a verified row's bits those of a one-token step.
+    # With the row-exact attention that keeps a verified row's bits those of a one-token step (attention.c:
+    # head vectors of whole 16-float registers).
+    if blockquant.int8_switch("SPECSERVE_TARGET_INT8", "1", ModelError) and cfg.head_dim % 16 == 0:
         model.row_exact_attention = int8_target_products(model)
     return model

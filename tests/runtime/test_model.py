@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specserve_runtime.errors import ModelError
 from specserve_runtime.kv_cache import KVCache
 from specserve_runtime.layers import RotaryEmbedding, apply_rope, attention_rows, causal_mask, tree_mask
 from specserve_runtime.model import Segment, load_target
@@ -254,3 +255,9 @@ def test_attention_rows_refuses_what_it_cannot_compute():
     cache.advance(3)
     with pytest.raises(ValueError, match="KV cache overflow: 5 positions needed, capacity 4"):
         cache.layer(0, 2)
+
+
+def test_a_bad_target_int8_switch_is_refused_by_name(tiny_llama_blocks_dir, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_TARGET_INT8", "yes")
+    with pytest.raises(ModelError, match="SPECSERVE_TARGET_INT8 is 1 \\(int8 products\\) or 0 \\(float32 products\\), not 'yes'"):
+        load_target(tiny_llama_blocks_dir)
