@@ -78,14 +78,19 @@ static void attend_one(const float *q, const float *k, const float *v, const int
         total = _mm512_add_ps(total, e);
     }
     const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-    /* The weighted values: four partial sums (keys n = 0, 1, 2, 3 mod 4), so that consecutive FMAs do not
-       wait on each other, added in one order at the end. */
-    for (int64_t i = 0; i < d; i += LANES) {
+    /* The weighted values, key by key in list order, up to 64 of the D values at a time: one
+       broadcast weight, a value row read once, and up to four independent sums. */
+    for (int64_t i = 0; i < d; i += 4 * LANES) {
+        const int64_t width = d - i < 4 * LANES ? (d - i) / LANES : 4;
         __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (int64_t n = 0; n < n_keys; n++)
-            acc[n & 3] = _mm512_fmadd_ps(_mm512_set1_ps(p[n]), _mm512_loadu_ps(v + slots[n] * d + i), acc[n & 3]);
-        const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-        _mm512_storeu_ps(out + i, _mm512_mul_ps(sum, inverse));
+        for (int64_t n = 0; n < n_keys; n++) {
+            const __m512 weight = _mm512_set1_ps(p[n]);
+            const float *row = v + slots[n] * d + i;
+            #pragma GCC unroll 4
+            for (int64_t c = 0; c < 4; c++)
+                if (c < width) acc[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(row + c * LANES), acc[c]);
+        }
+        for (int64_t c = 0; c < width; c++) _mm512_storeu_ps(out + i + c * LANES, _mm512_mul_ps(acc[c], inverse));
     }
 }
 
