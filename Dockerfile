@@ -15,13 +15,14 @@ COPY operator ./operator
 COPY runtime ./runtime
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
-# The engine's kernels (block-quantised matrix products and row-exact attention, blockquant.py), built once on the
+# The engine's kernels (block-quantised matrix products, row-exact attention, the target's decoder layers:
+# blockquant.py), built once on the
 # full Python image, which has gcc: its name and flags are blockquant's own (tests/operator/test_images.py).
 # No -march: the library picks AVX-512 or AVX2 per CPU at run time, so it runs on any x86-64 node.
 FROM python:3.11.7-bookworm AS kernels
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-COPY runtime/specserve_runtime/blockquant.c runtime/specserve_runtime/attention.c /src/
-RUN mkdir /kernels && gcc -O3 -fopenmp -shared -fPIC -o "/kernels/blockquant-$(cat /src/blockquant.c /src/attention.c | sha256sum | cut -c1-16).so" /src/blockquant.c /src/attention.c
+COPY runtime/specserve_runtime/kernels.h runtime/specserve_runtime/blockquant.c runtime/specserve_runtime/attention.c runtime/specserve_runtime/decoder.c /src/
+RUN mkdir /kernels && gcc -O3 -fopenmp -shared -fPIC -o "/kernels/blockquant-$(cat /src/kernels.h /src/blockquant.c /src/attention.c /src/decoder.c | sha256sum | cut -c1-16).so" /src/blockquant.c /src/attention.c /src/decoder.c
 
 FROM python:3.11.7-slim-bookworm AS operator
 ARG SPECSERVE_VERSION=0.1.0

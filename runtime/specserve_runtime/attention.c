@@ -27,27 +27,7 @@
 #include <stdlib.h>
 #include <immintrin.h>
 
-#define LANES 16
-
-/* exp(x) for x <= 0: Cephes' expf, a range reduction by ln 2 and its polynomial (tests hold the
-   attention to SDPA's within 1e-5). Below -87.3 the result is about 2^-126, not 0: as a softmax
-   weight, nothing anyway. */
-__attribute__((target("avx512f")))
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);  /* p * 2^n */
-}
+#include "kernels.h"
 
 static inline __mmask16 live_lanes(int64_t left) {  /* the first min(left, 16) lanes */
     return left >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);

@@ -108,7 +108,7 @@ def machine(target: Transformer | None = None) -> dict:
         cpu = names[0] if names else cpu
     kernel = blockquant.kernel_name()
     if target is not None and target.activations == "int8":
-        weights = f"target on int8 products of the GGUF blocks ({kernel}) with row-exact attention"
+        weights = f"target on int8 products of the GGUF blocks ({kernel}) in C layers (decoder.c)"
     elif kernel:
         weights = f"GGUF blocks on the {kernel} kernel up to {BLOCKQUANT_MAX_ROWS} rows, oneDNN float32 otherwise"
     else:

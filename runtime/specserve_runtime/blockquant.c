@@ -24,7 +24,7 @@
 #include <string.h>
 #include <immintrin.h>
 
-#define BLOCK 32
+#include "kernels.h"
 
 /* ---- AVX-512: 8 rows of x at a time, 2 partial sums of 16 lanes per row ---- */
 
@@ -150,8 +150,6 @@ static void linear256(const float *x, int64_t rows, int64_t k, const uint8_t *q4
      Q8_0: 8 chunks of 64 bytes, chunk c, lane i, byte j = q[i][4c + j] + 128
    and the 16 outputs' d (and min) as 16 floats. */
 
-#define GROUP 16
-
 static void quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *qx, float *dx, float *sx) {
     const int64_t blocks = k / BLOCK;
     for (int64_t r = 0; r < rows; r++)
@@ -222,6 +220,12 @@ static void linear512_int8(const int8_t *qx, const float *dx, const float *sx, i
     }
 }
 
+void int8_product(const float *x, int64_t rows, int64_t k, const uint8_t *q4, const uint8_t *q8, const float *scale,
+                  const float *minimum, int64_t n_out, float *y, int8_t *qx, float *dx, float *sx) {
+    quantize_rows(x, rows, k, qx, dx, sx);
+    linear512_int8(qx, dx, sx, rows, k, q4, q8, scale, minimum, n_out, y);
+}
+
 /* ---- entry points (ctypes) ---- */
 
 /* The widest instruction set this CPU runs: 3 = AVX-512 with VNNI, 2 = AVX-512, 1 = AVX2 with FMA, 0 = neither. */
@@ -245,10 +249,7 @@ int blockquant_linear(int isa, int int8_activations, const float *x, int64_t row
         int8_t *qx = malloc(rows * k);
         float *dx = malloc(rows * blocks * sizeof(float)), *sx = malloc(rows * blocks * sizeof(float));
         const int status = qx && dx && sx ? 0 : -2;
-        if (status == 0) {
-            quantize_rows(x, rows, k, qx, dx, sx);
-            linear512_int8(qx, dx, sx, rows, k, q4, (const uint8_t *)q8, scale, minimum, n_out, y);
-        }
+        if (status == 0) int8_product(x, rows, k, q4, (const uint8_t *)q8, scale, minimum, n_out, y, qx, dx, sx);
         free(qx); free(dx); free(sx);
         return status;
     }

@@ -16,7 +16,8 @@ only), compiled once per source into the cache on first use (a C compiler is nee
 ship it built, Dockerfile). It sums each output in one fixed order whatever the number of rows, so
 a row's product has the same bits alone, in a verify block or in a batch. Set
 SPECSERVE_BLOCKQUANT=0 to turn it off (SPECSERVE_DRAFTER_INT8=0, SPECSERVE_TARGET_INT8=0: the drafters' or
-the target's int8 products only). The same library holds the target's row-exact attention (attention.c).
+the target's int8 products only). The same library holds the target's row-exact attention (attention.c)
+and its decoder layers (decoder.c).
 """
 
 import ctypes
@@ -36,8 +37,10 @@ from .store import cache_root
 
 log = logging.getLogger(__name__)
 
-# One library: the matrix products, and the target's row-exact attention (attention.c, layers.attention_rows).
-SOURCES = (Path(__file__).with_name("blockquant.c"), Path(__file__).with_name("attention.c"))
+# One library: the matrix products, the target's row-exact attention (attention.c) and its decoder layers
+# (decoder.c, native.py), with the header they share.
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("blockquant.c", "attention.c", "decoder.c"))
+HEADER = Path(__file__).with_name("kernels.h")
 BLOCK = 32
 # The compiler's flags: no -march, the source picks its instruction set per CPU at run time, so
 # one build runs on any x86-64 machine. OpenMP resolves to the libgomp torch has already loaded.
@@ -211,9 +214,9 @@ def library() -> ctypes.CDLL | None:
     kernels.blockquant_linear.argtypes = [
         ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-    kernels.attention_rows.restype = ctypes.c_int
-    pointer, size = ctypes.c_void_p, ctypes.c_int64
-    kernels.attention_rows.argtypes = [pointer, size, size] * 3 + [pointer] * 4 + [size] * 6 + [pointer] * 2
+    kernels.decoder_layers.restype = ctypes.c_int
+    kernels.decoder_layers.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [
+        ctypes.c_int64] + [ctypes.c_void_p] * 2
     if kernels.blockquant_best_isa() == 0:
         log.warning("block-quantised kernels need AVX-512 or AVX2 with FMA: float32 weights instead")
         return None
@@ -221,13 +224,13 @@ def library() -> ctypes.CDLL | None:
 
 
 def library_name() -> str:
-    """blockquant-<the sources' SHA-256, 16 hex digits>.so: a changed source is a new build."""
-    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
+    """blockquant-<the header's and sources' SHA-256, 16 hex digits>.so: a changed file is a new build."""
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in (HEADER, *SOURCES)))
     return f"blockquant-{digest.hexdigest()[:16]}.so"
 
 
 def source_names() -> str:
-    return " and ".join(source.name for source in SOURCES)
+    return ", ".join(source.name for source in SOURCES)
 
 
 def build(compiler: str | None = None) -> Path:

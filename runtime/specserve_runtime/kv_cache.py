@@ -22,18 +22,16 @@ class KVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k/v [1, kv_heads, T, D] after `length`; return all valid keys/values of the layer."""
+        self.check_room(k.shape[2])
         end = self.length + k.shape[2]
-        self.layer(layer, k.shape[2])
         self.k[layer, :, self.length : end] = k[0]
         self.v[layer, :, self.length : end] = v[0]
         return self.k[layer, :, :end].unsqueeze(0), self.v[layer, :, :end].unsqueeze(0)
 
-    def layer(self, layer: int, num_new: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A layer's whole key/value buffers [kv_heads, capacity, D], for a forward that writes `num_new`
-        slots after `length` itself (layers.attention_rows)."""
+    def check_room(self, num_new: int) -> None:
+        """Raise unless `num_new` slots fit after `length` (a forward writes them before advancing)."""
         if self.length + num_new > self.capacity:
             raise ValueError(f"KV cache overflow: {self.length + num_new} positions needed, capacity {self.capacity}")
-        return self.k[layer], self.v[layer]
 
     def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All valid keys/values of a layer, [1, kv_heads, length, D]."""

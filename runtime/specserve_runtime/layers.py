@@ -243,28 +243,6 @@ def tree_mask(parents: list[int], num_cached: int) -> torch.Tensor:
     return mask
 
 
-def attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   cache_k: torch.Tensor, cache_v: torch.Tensor, cached: int, visible: torch.Tensor) -> torch.Tensor:
-    """Row-exact attention (attention.c) for T new tokens of one sequence: q [T, heads, D], k and v
-    [T, kv_heads, D] before RoPE (cos/sin [T, D]); their keys and values go into one layer's cache
-    [kv_heads, capacity, D] at slots cached..cached+T-1; visible [T, T] bool, the new tokens each one sees.
-    Each row attends alone, as a one-token step would -> [T, heads * D]."""
-    rows, heads, head_dim = q.shape
-    if min(t.stride(-1) for t in (q, k, v)) != 1 or cos.shape != (rows, head_dim) or not cos.is_contiguous():
-        raise ValueError("attention_rows takes head vectors with unit stride and [rows, head_dim] RoPE tables")
-    visible = visible.to(torch.uint8).contiguous()
-    sin = sin.contiguous()
-    out = torch.empty(rows, heads * head_dim)
-    status = blockquant.library().attention_rows(
-        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
-        v.stride(1), cos.data_ptr(), sin.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), cache_k.shape[1], heads,
-        cache_k.shape[0], head_dim, cached, rows, visible.data_ptr(), out.data_ptr())
-    if status != 0:
-        raise ValueError(f"attention_rows refused {heads} heads of {head_dim} over {cache_k.shape[0]} key heads "
-                         f"({rows} rows after {cached} cached, capacity {cache_k.shape[1]}): status {status}")
-    return out
-
-
 class Attention(nn.Module):
     """Grouped-query attention projections; how keys and values are gathered is the caller's choice."""
 
@@ -306,16 +284,6 @@ class Attention(nn.Module):
         else:  # the queries come along unused: on the few rows a step adds (DFlash's context), one
             _, k, v = self._fused_qkv(x)  # packed product costs less than two plain ones
         return self._key_value_heads(k, v, cos, sin)
-
-    def projected_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [T, heads, D], k and v [T, kv_heads, D] before RoPE (Qwen3's per-head norms applied):
-        views of the fused product where possible, for attention_rows."""
-        q, k, v = self._fused_qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        q = q.view(x.shape[0], self.num_heads, self.head_dim)
-        k = k.view(x.shape[0], self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return q, k, v.view(x.shape[0], self.num_kv_heads, self.head_dim)
 
     def query_key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         if self.qkv is None:

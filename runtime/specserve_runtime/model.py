@@ -26,12 +26,12 @@ from .layers import (
     Attention,
     RMSNorm,
     RotaryEmbedding,
-    attention_rows,
     causal_mask,
     fuse_projections,
     int8_target_products,
     tree_mask,
 )
+from .native import NativeLayers
 from .verify import tree_depths
 
 SUPPORTED_ARCHITECTURES = {"llama": False, "qwen3": True}  # model_type -> per-head q/k norm
@@ -96,24 +96,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.mlp = MLP(h, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, batch: list["Segment"], layer: int, masks: list, row_exact: bool):
-        """x [N, H]: the new tokens of every segment, end to end; masks: each segment's mask(), or its
-        visible() for row-exact attention."""
-        attention = self._row_exact_attention if row_exact else self._batched_attention
-        x = x + attention(self.input_layernorm(x), cos, sin, batch, layer, masks)
+    def forward(self, x, cos, sin, batch: list["Segment"], layer: int, masks: list) -> torch.Tensor:
+        """x [N, H]: the new tokens of every segment, end to end; masks: each segment's mask()."""
+        x = x + self._attention(self.input_layernorm(x), cos, sin, batch, layer, masks)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def _row_exact_attention(self, h, cos, sin, batch: list["Segment"], layer: int, visible: list) -> torch.Tensor:
-        """attention.c per segment: RoPE, the cache writes, and each row's attention alone -> [N, H]."""
-        sizes = [segment.num_tokens for segment in batch]
-        q, k, v = (t.split(sizes) for t in self.self_attn.projected_heads(h))
-        attended = []
-        for segment, seen, q_s, k_s, v_s, cos_s, sin_s in zip(batch, visible, q, k, v, cos.split(sizes), sin.split(sizes)):
-            cache_k, cache_v = segment.cache.layer(layer, segment.num_tokens)
-            attended.append(attention_rows(q_s, k_s, v_s, cos_s, sin_s, cache_k, cache_v, segment.cache.length, seen))
-        return self.self_attn.o_proj(torch.cat(attended))
-
-    def _batched_attention(self, h, cos, sin, batch: list["Segment"], layer: int, masks: list) -> torch.Tensor:
+    def _attention(self, h, cos, sin, batch: list["Segment"], layer: int, masks: list) -> torch.Tensor:
         """RoPE in torch, then SDPA over each segment's rows at once, against its cache -> [N, H]."""
         q, k, v = self.self_attn.query_key_value(h, cos, sin)  # [1, heads, N, D]
         sizes = [segment.num_tokens for segment in batch]
@@ -174,12 +162,12 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.row_exact_attention = False  # attention.c for every segment (load_target: with int8 products)
+        self.native_layers: NativeLayers | None = None  # decoder.c instead of the torch layers (load_target)
 
     @property
     def activations(self) -> str:
-        """What its matrix products multiply the weights by: "int8" rows (with row-exact attention) or "float32"."""
-        return "int8" if self.row_exact_attention else "float32"
+        """What its matrix products multiply the weights by: "int8" rows (decoder.c's layers) or "float32"."""
+        return "int8" if self.native_layers is not None else "float32"
 
     def new_cache(self, capacity: int) -> KVCache:
         cfg = self.config
@@ -202,17 +190,21 @@ class Transformer(nn.Module):
         sizes = [segment.num_tokens for segment in batch]
         # Each token's position continues its own sequence, so RoPE and the masks are per segment.
         cos, sin = self.rotary(torch.cat([segment.positions() for segment in batch]))
-        masks = [segment.visible() if self.row_exact_attention else segment.mask() for segment in batch]
         x = self.embed_tokens(torch.cat([segment.tokens for segment in batch]))  # [N, H]
-        taps = []
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, batch, i, masks, self.row_exact_attention)
-            if i in tap_layers:
-                taps.append(x)
+        if self.native_layers is not None:
+            taps = self.native_layers.run(x, cos, sin, batch, tap_layers)  # x in place
+        else:
+            masks = [segment.mask() for segment in batch]
+            tapped_outputs = []
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, batch, i, masks)
+                if i in tap_layers:
+                    tapped_outputs.append(x)
+            taps = torch.cat(tapped_outputs, dim=-1) if tapped_outputs else None
         ends = torch.tensor(sizes).cumsum(0).tolist()
         rows = [row for segment, end in zip(batch, ends) for row in range(end - segment.num_logits, end)]
         logits = self.lm_head(self.norm(x[rows])).split([segment.num_logits for segment in batch])
-        tapped = torch.cat(taps, dim=-1).split(sizes) if taps else [None] * len(batch)
+        tapped = taps.split(sizes) if taps is not None else [None] * len(batch)
         for segment in batch:
             segment.cache.advance(segment.num_tokens)
         return [TargetOutput(*out) for out in zip(logits, tapped)]
@@ -254,8 +246,9 @@ def load_target(folder: str | Path, dtype=torch.float32) -> Transformer:
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     # The target only ever runs inference: fewer, larger matrix products, on packed weights.
     model = fuse_projections(model.eval().requires_grad_(False))
-    # With the row-exact attention that keeps a verified row's bits those of a one-token step (attention.c:
-    # head vectors of whole 16-float registers).
-    if blockquant.int8_switch("SPECSERVE_TARGET_INT8", "1", ModelError) and cfg.head_dim % 16 == 0:
-        model.row_exact_attention = int8_target_products(model)
+    # On int8 rows, with decoder.c's layers, whose row-exact attention keeps a verified row's bits those of a
+    # one-token step (head vectors of whole 16-float registers).
+    if (blockquant.int8_switch("SPECSERVE_TARGET_INT8", "1", ModelError) and cfg.head_dim % 16 == 0
+            and int8_target_products(model)):
+        model.native_layers = NativeLayers(model)
     return model

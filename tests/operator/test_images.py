@@ -69,13 +69,13 @@ def test_the_cpu_image_ships_the_kernels_blockquant_would_build_and_looks_for_th
     from specserve_runtime import blockquant
 
     kernels, runtime_cpu = stages()["kernels"], stages()["runtime-cpu"]
-    sources = [f"runtime/specserve_runtime/{name}" for name in ("blockquant.c", "attention.c")]
-    assert instructions(kernels, "COPY") == [f"{' '.join(sources)} /src/"]
-    assert [path.resolve() for path in blockquant.SOURCES] == [Path(source).resolve() for source in sources]
-    built = "/src/blockquant.c /src/attention.c"
-    name = f'"/kernels/blockquant-$(cat {built} | sha256sum | cut -c1-16).so"'  # blockquant.library_name()
+    files = [f"runtime/specserve_runtime/{name}" for name in ("kernels.h", "blockquant.c", "attention.c", "decoder.c")]
+    assert instructions(kernels, "COPY") == [f"{' '.join(files)} /src/"]
+    assert [path.resolve() for path in (blockquant.HEADER, *blockquant.SOURCES)] == [Path(f).resolve() for f in files]
+    hashed, built = "/src/kernels.h /src/blockquant.c /src/attention.c /src/decoder.c", "/src/blockquant.c /src/attention.c /src/decoder.c"
+    name = f'"/kernels/blockquant-$(cat {hashed} | sha256sum | cut -c1-16).so"'  # blockquant.library_name()
     assert instructions(kernels, "RUN") == [f"mkdir /kernels && gcc {' '.join(blockquant.CFLAGS)} -o {name} {built}"]
-    digest = subprocess.run(["sha256sum"], input=b"".join(Path(source).read_bytes() for source in sources),
+    digest = subprocess.run(["sha256sum"], input=b"".join(Path(f).read_bytes() for f in files),
                             capture_output=True, check=True).stdout.decode()[:16]
     assert blockquant.library_name() == f"blockquant-{digest}.so"
     assert "--from=kernels /kernels/ /opt/specserve/kernels/" in instructions(runtime_cpu, "COPY")

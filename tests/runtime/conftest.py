@@ -58,17 +58,27 @@ def gguf_values(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     return (q * scale).reshape(weight.shape)
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_blocks_dir(tmp_path_factory):
-    """The tiny llama with weights as the default target's GGUF file stores them: layers in Q4_1, the tied embedding
-    in Q8_0; so its PackedLinears run the block-quantised kernels (blockquant.py)."""
-    folder = tmp_path_factory.mktemp("tiny-llama-blocks")
-    model = save_tiny_hf_model(folder, "llama")
+def save_tiny_blocks_model(folder, model_type="llama", **overrides):
+    """A tiny model with weights as the default target's GGUF file stores them: layers in Q4_1, the embedding and
+    any LM head in Q8_0; so its PackedLinears run the block-quantised kernels (blockquant.py). Its norms' weights
+    are random too (transformers initialises them to ones), so that mixing two of them up changes its outputs."""
+    model = save_tiny_hf_model(folder, model_type, **overrides)
+    generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if parameter.dim() == 2:
-                parameter.copy_(gguf_values(parameter, "Q8_0" if "embed_tokens" in name else "Q4_1"))
+                parameter.copy_(gguf_values(parameter, "Q8_0" if "embed_tokens" in name or "lm_head" in name else "Q4_1"))
+            else:
+                parameter.uniform_(0.5, 1.5, generator=generator)
     model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_blocks_dir(tmp_path_factory):
+    """The tiny llama with GGUF block weights (save_tiny_blocks_model)."""
+    folder = tmp_path_factory.mktemp("tiny-llama-blocks")
+    save_tiny_blocks_model(folder, "llama")
     return folder
 
 
@@ -87,7 +97,7 @@ def tiny_llama_blocks(tiny_llama_blocks_dir):
 @pytest.fixture(scope="session")
 def tiny_llama_int8(tiny_llama_blocks_dir):
     """Its products on the blocks with int8 activations, the engine's default where the CPU has AVX-512 VNNI,
-    with row-exact attention (attention.c)."""
+    in decoder.c's layers (native.py)."""
     if not blockquant.int8_enabled():
         pytest.skip("int8 activations need AVX-512 VNNI")
     return load_with_target_int8(tiny_llama_blocks_dir, "1")

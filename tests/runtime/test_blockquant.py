@@ -188,7 +188,7 @@ def test_a_failed_build_names_the_compiler_and_the_error(tmp_path, monkeypatch):
     broken = tmp_path / "broken-cc"
     broken.write_text("#!/bin/sh\necho 'internal compiler error: out of luck' >&2\nexit 1\n")
     broken.chmod(0o755)
-    with pytest.raises(OSError, match="could not build blockquant.c and attention.c: internal compiler error: out of luck"):
+    with pytest.raises(OSError, match="could not build blockquant.c, attention.c, decoder.c: internal compiler error: out of luck"):
         blockquant.build(str(broken))
     assert not list((tmp_path / "kernels").iterdir())  # nothing half-written is left to be loaded later
 
@@ -230,4 +230,4 @@ def test_the_bench_names_the_weight_layouts_it_ran_on(tiny_llama_blocks, request
     assert blockquant.kernel_name() in ("AVX-512 VNNI", "AVX-512", "AVX2")
     if blockquant.int8_enabled():
         assert machine(request.getfixturevalue("tiny_llama_int8"))["weights"] == (
-            "target on int8 products of the GGUF blocks (AVX-512 VNNI) with row-exact attention; drafters on int8 products")
+            "target on int8 products of the GGUF blocks (AVX-512 VNNI) in C layers (decoder.c); drafters on int8 products")

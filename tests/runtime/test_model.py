@@ -1,16 +1,21 @@
 """The target model against transformers' own implementation, and the KV cache's rollback."""
 
+import ctypes
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from specserve_runtime import blockquant
 from specserve_runtime.errors import ModelError
 from specserve_runtime.kv_cache import KVCache
-from specserve_runtime.layers import RotaryEmbedding, apply_rope, attention_rows, causal_mask, tree_mask
+from specserve_runtime.layers import RotaryEmbedding, apply_rope, causal_mask, tree_mask
 from specserve_runtime.model import Segment, load_target
 from specserve_runtime.verify import tree_depths
 
-from .conftest import save_tiny_hf_model
+from .conftest import load_with_target_int8, save_tiny_blocks_model, save_tiny_hf_model
+
+needs_vnni = pytest.mark.skipif(not blockquant.int8_enabled(), reason="decoder.c's layers need AVX-512 VNNI")
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
@@ -189,11 +194,11 @@ def test_packed_linears_compute_what_f_linear_computes(tiny_llama):
 @pytest.mark.parametrize("target", ["tiny_llama_blocks", "tiny_llama_int8"])
 def test_every_verified_row_has_the_bits_of_a_one_token_step(request, target, parents):
     """What keeps greedy speculative output plain decoding's on int8 activations: a verify block's row of logits
-    is computed exactly as the one-token step at its place computes it (row-invariant products, row-exact
-    attention), for a chain and for a tree's branches. On float32 activations (SDPA's batched attention) a row
-    may differ in the last bits, harmless there (docs/benchmarks.md, "int8 activations")."""
+    is computed exactly as the one-token step at its place computes it (decoder.c: row-invariant products,
+    row-exact attention), for a chain and for a tree's branches. On float32 activations (SDPA's batched
+    attention) a row may differ in the last bits, harmless there (docs/benchmarks.md, "int8 activations")."""
     model = request.getfixturevalue(target)
-    assert model.row_exact_attention == (target == "tiny_llama_int8")
+    assert (model.native_layers is not None) == (target == "tiny_llama_int8")
     prompt, tokens = torch.tensor([5, 17, 42, 8, 3, 60]), [7, 11, 13, 19, 23]
     cache = model.new_cache(32)
     model(prompt, cache)
@@ -210,12 +215,69 @@ def test_every_verified_row_has_the_bits_of_a_one_token_step(request, target, pa
             logits = model(torch.tensor([tokens[node]]), steps).logits
         torch.testing.assert_close(block[row], logits[0], rtol=1e-4, atol=1e-4)
         identical.append(torch.equal(block[row], logits[0]))
-    assert all(identical) or not model.row_exact_attention
+    assert all(identical) or model.native_layers is None
 
 
-@pytest.mark.parametrize("head_dim", [16, 48, 64, 128])  # the kernel's value sums take 64 values at a time
+@needs_vnni
+@pytest.mark.parametrize(("model_type", "head_dim"), [("llama", 16), ("llama", 64), ("qwen3", 48), ("qwen3", 128)])
+def test_native_layers_compute_what_the_torch_layers_compute(tmp_path, model_type, head_dim):
+    """decoder.c's layers (RMSNorm, Qwen3's head norms, RoPE, the cache writes, attention, SwiGLU, the residuals,
+    the taps) against the torch layers on the same int8 products: two sequences' prompts in one batch, then a
+    tree verify block beside a chain. Head sizes up to 128: attention.c's value sums take 64 values at a time.
+
+    Where no activation rounds differently they agree to about 1e-5; but their RMSNorm, SiLU and attention may
+    differ in the last bit (another summation order), which int8 rounding now and then turns into a whole step
+    of one activation, moving everything after it by up to 2.5% of its magnitude (measured on these cases).
+    A wrong norm, head offset, position, gate or residual moves it by its whole magnitude."""
+    save_tiny_blocks_model(tmp_path, model_type, head_dim=head_dim)
+    model = load_with_target_int8(tmp_path, "1")
+    native = model.native_layers
+    assert native is not None and model.activations == "int8"
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 96, (n,), generator=generator) for n in (9, 14)]
+    tree, chain = torch.randint(0, 96, (6,), generator=generator), torch.randint(0, 96, (3,), generator=generator)
+
+    def run(native_layers):
+        model.native_layers = native_layers
+        caches = [model.new_cache(32), model.new_cache(32)]
+        prompted = model.forward_batch([Segment(p, c, 1) for p, c in zip(prompts, caches)], tap_layers=(0, 3, 5))
+        verified = model.forward_batch([Segment(tree, caches[0], 6, [-1, 0, 0, 1, 2, 2]),
+                                        Segment(chain, caches[1], 3)], tap_layers=(2,))
+        return [(out.logits, out.taps) for out in prompted + verified], caches
+
+    (outputs, caches), (expected, expected_caches) = run(native), run(None)
+    model.native_layers = native
+    for out, want in zip(outputs, expected):
+        for ours, theirs in zip(out, want):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=0.05 * theirs.abs().max().item())
+    for cache, want in zip(caches, expected_caches):
+        assert cache.length == want.length
+        for ours, theirs in ((cache.k, want.k), (cache.v, want.v)):
+            theirs = theirs[:, :, : want.length]
+            torch.testing.assert_close(ours[:, :, : cache.length], theirs, rtol=0, atol=0.05 * theirs.abs().max().item())
+
+
+def attention_rows(q, k, v, cos, sin, cache_k, cache_v, cached, visible):
+    """attention.c's kernel, as decoder.c calls it for each layer and segment: q [T, heads, D], k and v
+    [T, kv_heads, D] before RoPE (cos/sin [T, D]) into one layer's cache [kv_heads, capacity, D] after `cached`
+    slots; visible [T, T] -> [T, heads * D]."""
+    kernel = blockquant.library().attention_rows
+    kernel.restype = ctypes.c_int
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    kernel.argtypes = [pointer, size, size] * 3 + [pointer] * 4 + [size] * 6 + [pointer] * 2
+    (rows, heads, head_dim), visible = q.shape, visible.to(torch.uint8).contiguous()
+    out = torch.empty(rows, heads * head_dim)
+    status = kernel(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(),
+                    v.stride(0), v.stride(1), cos.data_ptr(), sin.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(),
+                    cache_k.shape[1], heads, cache_k.shape[0], head_dim, cached, rows, visible.data_ptr(), out.data_ptr())
+    assert status == 0
+    return out
+
+
+@needs_vnni
+@pytest.mark.parametrize("head_dim", [16, 48, 64, 128])
 def test_row_exact_attention_is_attention_and_each_row_computes_alone(head_dim):
-    """attention_rows against RoPE, the cache writes and SDPA with the same mask in torch (a tree after cached keys,
+    """attention.c against RoPE, the cache writes and SDPA with the same mask in torch (a tree after cached keys,
     grouped-query heads), and each row's output bit for bit what it gives as the only new row after the keys it
     sees, laid at consecutive slots as plain decoding has them."""
     torch.manual_seed(0)
@@ -247,15 +309,25 @@ def test_row_exact_attention_is_attention_and_each_row_computes_alone(head_dim):
         assert torch.equal(alone[0], out[row])
 
 
-def test_attention_rows_refuses_what_it_cannot_compute():
-    q, k, cache = torch.randn(3, 2, 24), torch.randn(3, 1, 24), torch.randn(1, 8, 24)  # head_dim 24: not a multiple of 16
-    cos = torch.ones(3, 24)
-    with pytest.raises(ValueError, match="attention_rows refused 2 heads of 24"):
-        attention_rows(q, k, k, cos, cos, cache, cache, 0, torch.ones(3, 3, dtype=torch.bool).tril())
-    cache = KVCache(1, 1, 16, 4)
-    cache.advance(3)
-    with pytest.raises(ValueError, match="KV cache overflow: 5 positions needed, capacity 4"):
-        cache.layer(0, 2)
+def test_a_forward_past_the_cache_is_refused_and_leaves_it_as_it_was(tiny_target):
+    cache = tiny_target.new_cache(8)
+    tiny_target(torch.tensor([5, 17, 42, 8, 3]), cache)
+    with pytest.raises(ValueError, match="KV cache overflow: 9 positions needed, capacity 8"):
+        tiny_target(torch.tensor([7, 11, 13, 19]), cache)
+    assert cache.length == 5
+    step = tiny_target(torch.tensor([7]), cache).logits
+    fresh = tiny_target.new_cache(8)
+    tiny_target(torch.tensor([5, 17, 42, 8, 3]), fresh)
+    torch.testing.assert_close(step, tiny_target(torch.tensor([7]), fresh).logits, rtol=0, atol=0)
+
+
+@needs_vnni
+def test_native_layers_refuse_rows_that_are_not_their_segments(tiny_llama_int8):
+    cache = tiny_llama_int8.new_cache(8)
+    x, tables = torch.randn(3, 64), torch.ones(3, 16)
+    with pytest.raises(ValueError, match="decoder_layers refused 3 rows in 1 segments: status -1"):
+        tiny_llama_int8.native_layers.run(x, tables, tables, [Segment(torch.tensor([1, 2]), cache, 1)], ())
+    assert cache.length == 0 and not cache.k.any()
 
 
 def test_a_bad_target_int8_switch_is_refused_by_name(tiny_llama_blocks_dir, monkeypatch):

@@ -34,7 +34,9 @@ def runtime_and_prometheus(tmp_path_factory):
     work = tmp_path_factory.mktemp("prometheus")
     runtime_port, prometheus_port = free_port(), free_port()
     runtime = subprocess.Popen(
-        [specserve_bin(), "serve", "--method", "dflash", "--port", str(runtime_port)],
+        # Fixed speculation: every step drafts, so the acceptance series exist whatever adaptive speculation would
+        # choose on this machine (where plain decoding can win, it drafts little or nothing: adaptive.py).
+        [specserve_bin(), "serve", "--method", "dflash", "--speculation", "fixed", "--port", str(runtime_port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     config = work / "prometheus.yml"

@@ -20,7 +20,7 @@ PROMPTS = {
     "code": "Write a Python function that checks whether a number is prime.",
     "math": "A train travels 60 km in 45 minutes. What is its speed in km per hour?",
     "list": "List the planets of the solar system in order.",
-    "short": "What is 2 + 2?",
+    "short": "How many legs does a dog have?",  # answered in 16 tokens, then <|im_end|>
 }
 SPECULATIVE = {
     "ngram": ProposerOptions(num_speculative_tokens=4),

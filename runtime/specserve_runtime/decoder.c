@@ -1,0 +1,153 @@
+/* The int8 target's decoder layers, the whole stack in one call.
+
+   Why: a decode step of SmolLM2-135M spends about as long in the torch operations and Python
+   around its matrix products and attention (some 20 calls per layer, 30 layers) as in those
+   kernels themselves (docs/benchmarks.md, "The target's layers in C"). Here the same kernels run,
+   with RMSNorm, SwiGLU and the residual adds between them, for all layers and all segments at once.
+
+   Every operation computes each row alone, in one fixed order: RMSNorm's sum of squares, the
+   int8 products (blockquant.c), attention (attention.c), the elementwise SwiGLU. So a row's bits
+   are the same alone (a one-token step), in a verify block or in a batch: verification computes
+   plain decoding's logits.
+
+   A layer, x [N, H] in place:
+     h = RMSNorm(x) * input_norm;  q, k, v = h @ qkv   (Qwen3: q and k heads RMSNormed too)
+     x += attention_rows(q, k, v) @ o                   (RoPE, cache writes, each segment's own cache)
+     h = RMSNorm(x) * post_norm;   g, u = h @ gate_up;  x += (silu(g) * u) @ down */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <immintrin.h>
+
+#include "kernels.h"
+
+typedef struct {  /* a weight in the int8 layout (blockquant.Int8Blocks): q4 with minimum, or q8 */
+    const uint8_t *q4, *q8;
+    const float *scale, *minimum;
+    int64_t n_out, k;
+} int8_weight;
+
+typedef struct {
+    const float *input_norm, *post_norm, *q_norm, *k_norm;  /* q_norm, k_norm: Qwen3's, else NULL */
+    int8_weight qkv, o, gate_up, down;
+} layer_weights;
+
+typedef struct {  /* one sequence's new rows, laid end to end with the others' */
+    float *k, *v;  /* its cache, [layers, kv_heads, capacity, D] each */
+    int64_t capacity, cached, rows;
+    const uint8_t *visible;  /* [rows, rows]: the new tokens each new token sees (attention.c) */
+} segment;
+
+typedef struct {
+    int64_t layers, hidden, heads, kv_heads, head_dim, intermediate;
+    float eps;
+} model_shape;
+
+/* out[d] = x[d] / sqrt(mean(x^2) + eps) * weight[d]; d a multiple of 16. */
+__attribute__((target("avx512f")))
+static void rms_norm(const float *x, const float *weight, int64_t d, float eps, float *out) {
+    __m512 squares = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += LANES) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        squares = _mm512_fmadd_ps(v, v, squares);
+    }
+    const __m512 inverse = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)d + eps));
+    for (int64_t i = 0; i < d; i += LANES)
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), inverse),
+                                                _mm512_loadu_ps(weight + i)));
+}
+
+/* act[i] = silu(g[i]) * u[i], silu(g) = g * sigmoid(g), sigmoid from e = exp(-|g|) <= 1 so it never overflows:
+   1 / (1 + e) for g >= 0, e / (1 + e) below. */
+__attribute__((target("avx512f")))
+static void swiglu(const float *g, const float *u, int64_t d, float *act) {
+    for (int64_t i = 0; i < d; i += LANES) {
+        const __m512 gate = _mm512_loadu_ps(g + i);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gate)));
+        const __mmask16 negative = _mm512_cmp_ps_mask(gate, _mm512_setzero_ps(), _CMP_LT_OQ);
+        const __m512 numerator = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), negative, e);
+        const __m512 sigmoid = _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        _mm512_storeu_ps(act + i, _mm512_mul_ps(_mm512_mul_ps(gate, sigmoid), _mm512_loadu_ps(u + i)));
+    }
+}
+
+static void product(const float *x, int64_t rows, const int8_weight *w, float *y, int8_t *qx, float *dx, float *sx) {
+    int8_product(x, rows, w->k, w->q4, w->q8, w->scale, w->minimum, w->n_out, y, qx, dx, sx);
+}
+
+static int shape_ok(const int8_weight *w, int64_t n_out, int64_t k) {
+    return w->n_out == n_out && w->k == k && (w->q4 == 0) != (w->q8 == 0) && (w->q4 == 0 || w->minimum != 0);
+}
+
+/* Runs every layer over x [rows, hidden] (the segments' new rows end to end), in place; cos/sin [rows, D]
+   each row's RoPE tables. tapped[layer] != 0: that layer's output goes to taps [rows, n_taps * hidden],
+   taps side by side in layer order. 0 on success, -1 for shapes it does not take (nothing written),
+   -2 when memory runs out (the caches may hold some of the new rows' keys: the caller drops the step). */
+int decoder_layers(const layer_weights *layers, const model_shape *shape, float *x, int64_t rows, const float *cos,
+                   const float *sin, const segment *segments, int64_t n_segments, const uint8_t *tapped,
+                   float *taps) {
+    __builtin_cpu_init();
+    const int64_t H = shape->hidden, D = shape->head_dim, heads = shape->heads, kv = shape->kv_heads;
+    const int64_t I = shape->intermediate, width = (heads + 2 * kv) * D;
+    if (!__builtin_cpu_supports("avx512vnni") || H % BLOCK || (heads * D) % BLOCK || I % BLOCK || D % LANES
+        || heads % kv)
+        return -1;
+    int64_t total = 0, n_taps = 0;
+    for (int64_t s = 0; s < n_segments; s++) {
+        if (segments[s].cached + segments[s].rows > segments[s].capacity) return -1;
+        total += segments[s].rows;
+    }
+    for (int64_t l = 0; l < shape->layers; l++) {
+        const layer_weights *w = layers + l;
+        if (!shape_ok(&w->qkv, width, H) || !shape_ok(&w->o, H, heads * D) || !shape_ok(&w->gate_up, 2 * I, H)
+            || !shape_ok(&w->down, H, I) || (w->q_norm == 0) != (w->k_norm == 0))
+            return -1;
+        n_taps += tapped[l] != 0;
+    }
+    if (total != rows) return -1;
+
+    const int64_t widest = I > H ? (I > heads * D ? I : heads * D) : (H > heads * D ? H : heads * D);
+    float *h = malloc(rows * H * sizeof(float)), *qkv = malloc(rows * width * sizeof(float));
+    float *attended = malloc(rows * heads * D * sizeof(float)), *gate_up = malloc(rows * 2 * I * sizeof(float));
+    float *act = malloc(rows * I * sizeof(float)), *out = malloc(rows * H * sizeof(float));
+    int8_t *qx = malloc(rows * widest);
+    float *dx = malloc(rows * (widest / BLOCK) * sizeof(float)), *sx = malloc(rows * (widest / BLOCK) * sizeof(float));
+    int status = h && qkv && attended && gate_up && act && out && qx && dx && sx ? 0 : -2;
+
+    for (int64_t l = 0, tap = 0; l < shape->layers && status == 0; l++) {
+        const layer_weights *w = layers + l;
+        for (int64_t r = 0; r < rows; r++) rms_norm(x + r * H, w->input_norm, H, shape->eps, h + r * H);
+        product(h, rows, &w->qkv, qkv, qx, dx, sx);
+        if (w->q_norm)
+            for (int64_t r = 0; r < rows; r++) {
+                float *row = qkv + r * width;
+                for (int64_t j = 0; j < heads; j++) rms_norm(row + j * D, w->q_norm, D, shape->eps, row + j * D);
+                for (int64_t j = heads; j < heads + kv; j++) rms_norm(row + j * D, w->k_norm, D, shape->eps, row + j * D);
+            }
+        for (int64_t s = 0, first = 0; s < n_segments && status == 0; first += segments[s++].rows) {
+            const segment *seg = segments + s;
+            const int64_t layer_cache = l * kv * seg->capacity * D;
+            const float *q = qkv + first * width;
+            status = attention_rows(q, width, D, q + heads * D, width, D, q + (heads + kv) * D, width, D,
+                                    cos + first * D, sin + first * D, seg->k + layer_cache, seg->v + layer_cache,
+                                    seg->capacity, heads, kv, D, seg->cached, seg->rows, seg->visible,
+                                    attended + first * heads * D);
+        }
+        if (status != 0) break;
+        product(attended, rows, &w->o, out, qx, dx, sx);
+        for (int64_t i = 0; i < rows * H; i++) x[i] += out[i];
+        for (int64_t r = 0; r < rows; r++) rms_norm(x + r * H, w->post_norm, H, shape->eps, h + r * H);
+        product(h, rows, &w->gate_up, gate_up, qx, dx, sx);
+        for (int64_t r = 0; r < rows; r++) swiglu(gate_up + r * 2 * I, gate_up + r * 2 * I + I, I, act + r * I);
+        product(act, rows, &w->down, out, qx, dx, sx);
+        for (int64_t i = 0; i < rows * H; i++) x[i] += out[i];
+        if (tapped[l]) {
+            for (int64_t r = 0; r < rows; r++) memcpy(taps + (r * n_taps + tap) * H, x + r * H, H * sizeof(float));
+            tap++;
+        }
+    }
+    free(h); free(qkv); free(attended); free(gate_up); free(act); free(out); free(qx); free(dx); free(sx);
+    return status;
+}

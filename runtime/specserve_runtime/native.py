@@ -1,0 +1,81 @@
+"""The int8 target's decoder layers in C (decoder.c): every layer, for every segment of a batched forward, in one call.
+
+load_target builds it where every matrix product of the target runs on int8 blocks (layers.int8_target_products)
+and its head vectors are whole AVX-512 registers; Transformer.forward_batch then calls `run` instead of looping
+over its torch layers. The C layers read the same packed weights and norm parameters the modules hold (no copy),
+and compute each row alone, in one fixed order, so a verify block's rows are plain decoding's bits.
+"""
+
+import ctypes
+
+import torch
+
+from . import blockquant
+from .blockquant import Int8Blocks
+
+pointer, size = ctypes.c_void_p, ctypes.c_int64
+
+
+class Int8Weight(ctypes.Structure):  # decoder.c's int8_weight
+    _fields_ = [("q4", pointer), ("q8", pointer), ("scale", pointer), ("minimum", pointer), ("n_out", size), ("k", size)]
+
+    @classmethod
+    def of(cls, blocks: Int8Blocks) -> "Int8Weight":
+        q4, q8 = (blocks.weights, None) if blocks.format == "Q4_1" else (None, blocks.weights)
+        return cls(q4.data_ptr() if q4 is not None else None, q8.data_ptr() if q8 is not None else None,
+                   blocks.scale.data_ptr(), blocks.minimum.data_ptr() if blocks.minimum is not None else None,
+                   *blocks.shape)
+
+
+class LayerWeights(ctypes.Structure):  # decoder.c's layer_weights
+    _fields_ = [("input_norm", pointer), ("post_norm", pointer), ("q_norm", pointer), ("k_norm", pointer),
+                ("qkv", Int8Weight), ("o", Int8Weight), ("gate_up", Int8Weight), ("down", Int8Weight)]
+
+
+class SegmentView(ctypes.Structure):  # decoder.c's segment
+    _fields_ = [("k", pointer), ("v", pointer), ("capacity", size), ("cached", size), ("rows", size),
+                ("visible", pointer)]
+
+
+class ModelShape(ctypes.Structure):  # decoder.c's model_shape
+    _fields_ = [("layers", size), ("hidden", size), ("heads", size), ("kv_heads", size), ("head_dim", size),
+                ("intermediate", size), ("eps", ctypes.c_float)]
+
+
+class NativeLayers:
+    """A fused target's layers as decoder.c reads them: pointers into the modules' own tensors, which the
+    model keeps alive (it holds this object)."""
+
+    def __init__(self, model):
+        cfg = model.config
+        self.shape = ModelShape(cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
+                                cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
+        self.layers = (LayerWeights * cfg.num_hidden_layers)()
+        for weights, layer in zip(self.layers, model.layers):
+            attention, mlp = layer.self_attn, layer.mlp
+            norms = (layer.input_layernorm, layer.post_attention_layernorm, attention.q_norm, attention.k_norm)
+            weights.input_norm, weights.post_norm, weights.q_norm, weights.k_norm = (
+                norm.weight.data_ptr() if norm is not None else None for norm in norms)
+            for name, linear in (("qkv", attention.qkv), ("o", attention.o_proj), ("gate_up", mlp.gate_up),
+                                 ("down", mlp.down_proj)):
+                setattr(weights, name, Int8Weight.of(linear.int8_blocks))
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: list, tap_layers: tuple[int, ...]):
+        """x [N, H] (the segments' new rows end to end, contiguous) through every layer, in place; each segment's
+        cache gets its rows' keys and values (its length is the caller's to advance). -> the tapped layers'
+        outputs side by side in layer order [N, taps * H], or None."""
+        for segment in batch:
+            segment.cache.check_room(segment.num_tokens)
+        visible = [segment.visible().to(torch.uint8).contiguous() for segment in batch]
+        segments = (SegmentView * len(batch))(*(
+            SegmentView(segment.cache.k.data_ptr(), segment.cache.v.data_ptr(), segment.cache.capacity,
+                        segment.cache.length, segment.num_tokens, seen.data_ptr())
+            for segment, seen in zip(batch, visible)))
+        tapped = bytes(layer in tap_layers for layer in range(self.shape.layers))
+        taps = torch.empty(x.shape[0], sum(tapped) * self.shape.hidden) if any(tapped) else None
+        status = blockquant.library().decoder_layers(
+            ctypes.byref(self.layers), ctypes.byref(self.shape), x.data_ptr(), x.shape[0], cos.data_ptr(),
+            sin.data_ptr(), segments, len(batch), tapped, taps.data_ptr() if taps is not None else None)
+        if status != 0:
+            raise ValueError(f"decoder_layers refused {x.shape[0]} rows in {len(batch)} segments: status {status}")
+        return taps
