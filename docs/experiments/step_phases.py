@@ -1,10 +1,11 @@
 """One-off measurement: where one sequence's decode step goes (drafting, the target's verify forward,
 the rest: acceptance, commit, Python), per method, as the engine runs it, with the drafter's products
-on float32 weights ("/float32 drafter": SPECSERVE_DRAFTER_INT8=0) or its LM head on torch's F.linear
-("/unpacked head"), interleaved in rounds.
+on float32 weights ("/float32 drafter": SPECSERVE_DRAFTER_INT8=0), its LM head on torch's F.linear
+("/unpacked head") or a DFlash drafter's layers in torch instead of decoder.c ("/torch layers"), interleaved
+in rounds.
 
 Greedy, 6 of set v2's held-out prompts (2 per category), 96 new tokens each, decode only.
-Run: .venv/bin/python docs/experiments/step_phases.py [METHOD[/float32 drafter|/unpacked head] ...]   (results in
+Run: .venv/bin/python docs/experiments/step_phases.py [METHOD[/float32 drafter|/unpacked head|/torch layers] ...]   (results in
 docs/benchmarks.md, "The drafters' own matrix products" and "int8 activations")
 """
 
@@ -50,6 +51,8 @@ for label in METHODS * ROUNDS:
     engine = build_engine(model, *method_spec(spec))
     if variant == "unpacked head":
         engine.proposer.head.linear = None  # every sequence's proposer copy shares this head
+    if variant == "torch layers":
+        engine.proposer.drafter.native_layers = None  # a DFlash drafter's layers in torch, not decoder.c
     engine.generate(Request(prompts[0], 16))  # warm-up
     draft = verify = decode = 0.0
     steps = tokens = 0

@@ -192,7 +192,7 @@ class Transformer(nn.Module):
         cos, sin = self.rotary(torch.cat([segment.positions() for segment in batch]))
         x = self.embed_tokens(torch.cat([segment.tokens for segment in batch]))  # [N, H]
         if self.native_layers is not None:
-            taps = self.native_layers.run(x, cos, sin, batch, tap_layers)  # x in place
+            taps = self.native_layers.run(x, cos, sin, [(s.cache, s.visible()) for s in batch], tap_layers)  # x in place
         else:
             masks = [segment.mask() for segment in batch]
             tapped_outputs = []
@@ -250,5 +250,5 @@ def load_target(folder: str | Path, dtype=torch.float32) -> Transformer:
     # one-token step (head vectors of whole 16-float registers).
     if (blockquant.int8_switch("SPECSERVE_TARGET_INT8", "1", ModelError) and cfg.head_dim % 16 == 0
             and int8_target_products(model)):
-        model.native_layers = NativeLayers(model)
+        model.native_layers = NativeLayers(model.layers, cfg)
     return model

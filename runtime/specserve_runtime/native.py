@@ -1,9 +1,10 @@
-"""The int8 target's decoder layers in C (decoder.c): every layer, for every segment of a batched forward, in one call.
+"""Decoder layers in C (decoder.c): every layer, for every segment of a batched forward, in one call.
 
-load_target builds it where every matrix product of the target runs on int8 blocks (layers.int8_target_products)
+load_target builds them where every matrix product of the target runs on int8 blocks (layers.int8_target_products)
 and its head vectors are whole AVX-512 registers; Transformer.forward_batch then calls `run` instead of looping
 over its torch layers. The C layers read the same packed weights and norm parameters the modules hold (no copy),
-and compute each row alone, in one fixed order, so a verify block's rows are plain decoding's bits.
+and compute each row alone, in one fixed order, so a verify block's rows are plain decoding's bits. A DFlash
+drafter's layers, on int8 products too, run the same way (dflash.DFlashDrafter.draft_hidden).
 """
 
 import ctypes
@@ -12,6 +13,7 @@ import torch
 
 from . import blockquant
 from .blockquant import Int8Blocks
+from .kv_cache import KVCache
 
 pointer, size = ctypes.c_void_p, ctypes.c_int64
 
@@ -42,16 +44,23 @@ class ModelShape(ctypes.Structure):  # decoder.c's model_shape
                 ("intermediate", size), ("eps", ctypes.c_float)]
 
 
-class NativeLayers:
-    """A fused target's layers as decoder.c reads them: pointers into the modules' own tensors, which the
-    model keeps alive (it holds this object)."""
+def runs(layers, head_dim: int) -> bool:
+    """Whether decoder.c can run these fused decoder layers: every product on int8 blocks, whole-register heads."""
+    linears = [linear for layer in layers for linear in (layer.self_attn.qkv, layer.self_attn.o_proj,
+                                                         layer.mlp.gate_up, layer.mlp.down_proj)]
+    return head_dim % 16 == 0 and all(linear is not None and linear.int8_blocks is not None for linear in linears)
 
-    def __init__(self, model):
-        cfg = model.config
-        self.shape = ModelShape(cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
-                                cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
-        self.layers = (LayerWeights * cfg.num_hidden_layers)()
-        for weights, layer in zip(self.layers, model.layers):
+
+class NativeLayers:
+    """Fused decoder layers (model.DecoderLayer: the target's, a DFlash drafter's) as decoder.c reads them:
+    pointers into the modules' own tensors, which the model keeps alive (it holds this object)."""
+
+    def __init__(self, layers, cfg):
+        """layers: the fused DecoderLayers, every product on int8 blocks (runs()); cfg: their model.ModelConfig."""
+        self.shape = ModelShape(len(layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
+        self.layers = (LayerWeights * len(layers))()
+        for weights, layer in zip(self.layers, layers):
             attention, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm, layer.post_attention_layernorm, attention.q_norm, attention.k_norm)
             weights.input_norm, weights.post_norm, weights.q_norm, weights.k_norm = (
@@ -60,17 +69,19 @@ class NativeLayers:
                                  ("down", mlp.down_proj)):
                 setattr(weights, name, Int8Weight.of(linear.int8_blocks))
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: list, tap_layers: tuple[int, ...]):
-        """x [N, H] (the segments' new rows end to end, contiguous) through every layer, in place; each segment's
-        cache gets its rows' keys and values (its length is the caller's to advance). -> the tapped layers'
-        outputs side by side in layer order [N, taps * H], or None."""
-        for segment in batch:
-            segment.cache.check_room(segment.num_tokens)
-        visible = [segment.visible().to(torch.uint8).contiguous() for segment in batch]
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: list[tuple[KVCache, torch.Tensor]],
+            tap_layers: tuple[int, ...] = ()):
+        """x [N, H] (the segments' new rows end to end, contiguous) through every layer, in place. batch: per segment,
+        its cache and `visible` [T, T] bool, the new rows each new row sees besides the cached ones; its rows' keys
+        and values go into the cache after its length (which is the caller's to advance, or not). -> the tapped
+        layers' outputs side by side in layer order [N, taps * H], or None."""
+        for cache, visible in batch:
+            cache.check_room(visible.shape[0])
+        visible = [seen.to(torch.uint8).contiguous() for _, seen in batch]
         segments = (SegmentView * len(batch))(*(
-            SegmentView(segment.cache.k.data_ptr(), segment.cache.v.data_ptr(), segment.cache.capacity,
-                        segment.cache.length, segment.num_tokens, seen.data_ptr())
-            for segment, seen in zip(batch, visible)))
+            SegmentView(cache.k.data_ptr(), cache.v.data_ptr(), cache.capacity, cache.length, seen.shape[0],
+                        seen.data_ptr())
+            for (cache, _), seen in zip(batch, visible)))
         tapped = bytes(layer in tap_layers for layer in range(self.shape.layers))
         taps = torch.empty(x.shape[0], sum(tapped) * self.shape.hidden) if any(tapped) else None
         status = blockquant.library().decoder_layers(

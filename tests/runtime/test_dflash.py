@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from specserve_runtime import blockquant
 from specserve_runtime.drafters import DrafterError, ProposerOptions, build_proposer
 from specserve_runtime.drafters.dflash import (
     DFlashConfig,
@@ -18,6 +19,7 @@ from specserve_runtime.drafters.dflash import (
     draft_tree,
     target_layer_ids,
 )
+from specserve_runtime.kv_cache import KVCache
 from specserve_runtime.model import load_target
 
 from .conftest import save_tiny_hf_model
@@ -194,6 +196,39 @@ def test_a_sequence_that_drafts_nothing_leaves_its_context_pending_until_it_draf
         hook.remove()
     assert lazy.context_cache.length == 11 and calls == [8]  # the whole context projected, then one block
     assert drafts == eager.propose(tokens.tolist(), max_drafts=7)
+
+
+@pytest.mark.skipif(not blockquant.int8_enabled(), reason="decoder.c's layers need AVX-512 VNNI")
+def test_drafting_in_c_layers_computes_what_the_torch_layers_compute(tiny_llama):
+    """A DFlash drafter on int8 products drafts with decoder.c's layers (each block row over all of its context
+    and its block, no mask): two sequences' blocks after contexts of 11 and 5 tokens, against the torch layers on
+    the same products (a last-bit difference may round one int8 activation a step apart: test_model's
+    test_native_layers_compute_what_the_torch_layers_compute), leaving each context cache as it was."""
+    drafter = build_proposer("dflash", tiny_llama, ProposerOptions("random", 7, mask_token_id=95)).drafter
+    assert drafter.native_layers is not None
+    tokens = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(6))
+    taps = tiny_llama(tokens, tiny_llama.new_cache(32), tap_layers=drafter.config.target_layer_ids).taps
+    cfg = drafter.config
+    caches = []
+    for length in (11, 5):
+        cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, length + cfg.block_size)
+        for layer, (k, v) in enumerate(drafter.context_kv(taps[:length], torch.arange(length))):
+            cache.write(layer, k, v)
+        cache.advance(length)
+        caches.append(cache)
+    context = [(cache.k[:, :, : cache.length].clone(), cache.v[:, :, : cache.length].clone()) for cache in caches]
+    blocks = torch.tensor([[int(tokens[10])] + [95] * 7, [int(tokens[4])] + [95] * 7]).flatten()
+    hidden = drafter.draft_hidden(tiny_llama.embed_tokens(blocks), caches)
+    assert torch.equal(hidden, drafter.draft_hidden(tiny_llama.embed_tokens(blocks), caches))  # nothing kept
+    for cache, (k, v), length in zip(caches, context, (11, 5)):
+        assert cache.length == length and torch.equal(cache.k[:, :, :length], k) and torch.equal(cache.v[:, :, :length], v)
+    native = drafter.native_layers
+    drafter.native_layers = None
+    try:
+        expected = drafter.draft_hidden(tiny_llama.embed_tokens(blocks), caches)
+    finally:
+        drafter.native_layers = native
+    torch.testing.assert_close(hidden, expected, rtol=0, atol=0.05 * expected.abs().max().item())
 
 
 def test_drafter_for_another_target_is_rejected(tmp_path, tiny_llama):

@@ -326,7 +326,7 @@ def test_native_layers_refuse_rows_that_are_not_their_segments(tiny_llama_int8):
     cache = tiny_llama_int8.new_cache(8)
     x, tables = torch.randn(3, 64), torch.ones(3, 16)
     with pytest.raises(ValueError, match="decoder_layers refused 3 rows in 1 segments: status -1"):
-        tiny_llama_int8.native_layers.run(x, tables, tables, [Segment(torch.tensor([1, 2]), cache, 1)], ())
+        tiny_llama_int8.native_layers.run(x, tables, tables, [(cache, torch.ones(2, 2, dtype=torch.bool).tril())])
     assert cache.length == 0 and not cache.k.any()
 
 

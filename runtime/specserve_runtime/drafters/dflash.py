@@ -20,6 +20,7 @@ from torch import nn
 
 from ..kv_cache import KVCache
 from ..layers import RMSNorm, RotaryEmbedding, fuse_projections
+from .. import native
 from ..model import DecoderLayer, ModelConfig, Transformer
 from ..verify import DraftTree
 from . import (
@@ -207,6 +208,7 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
         add_vocab_buffers(self, config.vocab_size, config.draft_vocab_size)
+        self.native_layers: native.NativeLayers | None = None  # decoder.c for drafting, on int8 products (build_dflash)
 
     def context_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Target taps [C, L*H] at absolute positions [C] -> per draft layer, context keys/values."""
@@ -222,6 +224,23 @@ class DFlashDrafter(nn.Module):
         x = block_embeds
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, [context_kv[i] for context_kv in contexts], mask)
+        return self.norm(x)
+
+    def draft_hidden(self, block_embeds: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
+        """Inference: the blocks of len(caches) sequences, end to end, each placed right after its context (the
+        cache's keys/values) -> normalised hidden states [N, H], as forward() computes them."""
+        block_size = block_embeds.shape[0] // len(caches)
+        positions = torch.cat([torch.arange(cache.length, cache.length + block_size) for cache in caches])
+        if self.native_layers is None:
+            contexts = [[cache.get(layer) for layer in range(len(self.layers))] for cache in caches]
+            return self(block_embeds, positions, contexts)
+        # decoder.c: each block row sees all of its context and all of its block, no mask. The block's keys and
+        # values go into the cache's slots after the context, which the cache's length never covers: the next
+        # context projection overwrites them.
+        cos, sin = self.rotary(positions)
+        x = block_embeds.contiguous()
+        everything = torch.ones(block_size, block_size, dtype=torch.bool)
+        self.native_layers.run(x, cos, sin, [(cache, everything) for cache in caches])
         return self.norm(x)
 
 
@@ -264,8 +283,8 @@ class DFlashProposer(ModelProposer):
         self.tree = tree
 
     def begin(self, capacity: int) -> None:
-        cfg = self.drafter.config
-        self.context_cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity)
+        cfg = self.drafter.config  # room for a block after the context (DFlashDrafter.draft_hidden)
+        self.context_cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity + cfg.block_size)
         self.pending = []
 
     @torch.inference_mode()
@@ -285,9 +304,7 @@ class DFlashProposer(ModelProposer):
         blocks = torch.full((len(drafting), block_size), cfg.mask_token_id)
         blocks[:, 0] = torch.tensor([tokens[-1] for _, tokens in drafting])
         caches = [proposer.context_cache for proposer, _ in drafting]
-        positions = torch.cat([torch.arange(cache.length, cache.length + block_size) for cache in caches])
-        contexts = [[cache.get(layer) for layer in range(cfg.num_hidden_layers)] for cache in caches]
-        hidden = self.drafter(self.target.embed_tokens(blocks.flatten()), positions, contexts)
+        hidden = self.drafter.draft_hidden(self.target.embed_tokens(blocks.flatten()), caches)
         # Slot i (i >= 1) predicts the token i places after the last committed one. No draft, chain
         # or tree, reaches deeper than its sequence's count.
         most = max(counts)
@@ -366,6 +383,8 @@ def build_dflash(target: Transformer, options: ProposerOptions) -> DFlashPropose
         drafter = load_dflash(source)
     check_matches_target("dflash", drafter.config, target.config)
     fuse_projections(drafter, int8_activations=int8_drafting())
+    if native.runs(drafter.layers, drafter.config.head_dim):
+        drafter.native_layers = native.NativeLayers(drafter.layers, drafter.config.layer_config())
     max_drafts = drafter.config.block_size - 1
     point = checkpoint.operating_point(source, options, max_drafts)
     if point.num_speculative_tokens > max_drafts and not point.draft_tree:  # a tree's drafts spread over the block's slots
