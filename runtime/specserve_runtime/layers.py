@@ -153,17 +153,23 @@ def separate_projections(model: nn.Module):
 @contextlib.contextmanager
 def weight_layouts(model: nn.Module, blocks: bool = False, onednn: bool = False, int8: bool = False):
     """Run a model's PackedLinears with only the layouts named (for side-by-side timing and tests):
-    by default none, i.e. torch's F.linear on the plain weight."""
+    by default none, i.e. torch's F.linear on the plain weight. Without int8, decoder.c's layers are off too
+    (a model's `native_layers`: they read the int8 blocks themselves), so its torch layers run."""
     saved = [(m, m.blocks, m.packed, m.int8_blocks) for m in model.modules() if isinstance(m, PackedLinear)]
+    native = [(m, m.native_layers) for m in model.modules() if getattr(m, "native_layers", None) is not None]
     for module, kept_blocks, kept_packed, kept_int8 in saved:
         module.blocks = kept_blocks if blocks else None
         module.packed = kept_packed if onednn else None
         module.int8_blocks = kept_int8 if int8 else None
+    for module, layers in native:
+        module.native_layers = layers if int8 else None
     try:
         yield
     finally:
         for module, kept_blocks, kept_packed, kept_int8 in saved:
             module.blocks, module.packed, module.int8_blocks = kept_blocks, kept_packed, kept_int8
+        for module, layers in native:
+            module.native_layers = layers
 
 
 class RotaryEmbedding(nn.Module):

@@ -201,23 +201,30 @@ def test_a_build_is_reused_from_the_cache(tmp_path, monkeypatch):
     assert blockquant.build("no-such-cc") == built  # found, not compiled again
 
 
-def test_the_onednn_baseline_decodes_on_float32_layouts_and_restores_the_blocks(tiny_llama_blocks, tmp_path,
+@pytest.mark.parametrize("target", ["tiny_llama_blocks", "tiny_llama_int8"])
+def test_the_onednn_baseline_decodes_on_float32_layouts_and_restores_the_blocks(request, target, tmp_path,
                                                                                 monkeypatch):
+    """Neither blockquant's products nor decoder.c's layers (which read the int8 blocks themselves) run in the
+    baseline; both are back afterwards."""
     from specserve_runtime import bench
     from specserve_runtime.bench import baseline_runners, parse_baselines
     from specserve_runtime.loader import LoadedModel
+    from specserve_runtime.native import NativeLayers
 
     from .conftest import ByteTokenizer
 
-    model = LoadedModel(tmp_path, tiny_llama_blocks, ByteTokenizer(), {2})
+    model = LoadedModel(tmp_path, request.getfixturevalue(target), ByteTokenizer(), {2})
     calls = []
-    kernel = blockquant.linear
-    monkeypatch.setattr(blockquant, "linear", lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
+    kernel, layers = blockquant.linear, NativeLayers.run
+    monkeypatch.setattr(blockquant, "linear", lambda *args, **kwargs: calls.append("linear") or kernel(*args, **kwargs))
+    monkeypatch.setattr(NativeLayers, "run", lambda *args, **kwargs: calls.append("layers") or layers(*args, **kwargs))
     runners = baseline_runners(model, parse_baselines("onednn"), context=64, threads=torch.get_num_threads())
     tokens, seconds, first_token = runners["ar-onednn"]([5, 6, 7], 6)
     assert calls == [] and 1 <= len(tokens) <= 6 and 0 < first_token <= seconds
     plain = bench.build_engine(model, "ar").generate(bench.Request([5, 6, 7], 6))
-    assert calls and plain.token_ids == tokens  # the engine's own layout again afterwards, and the same output here
+    assert set(calls) == ({"linear", "layers"} if target == "tiny_llama_int8" else {"linear"})
+    if target == "tiny_llama_blocks":  # the same float32 arithmetic: the same output here
+        assert plain.token_ids == tokens
 
 
 def test_the_bench_names_the_weight_layouts_it_ran_on(tiny_llama_blocks, request):
