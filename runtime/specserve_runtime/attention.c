@@ -75,15 +75,6 @@ static void attend_one(const float *q, const float *k, const float *v, const int
     }
 }
 
-/* x [d] rotated by RoPE (Hugging Face's rotate-half convention) at the position whose tables are cos/sin [d]. */
-static void rope(const float *x, const float *cos, const float *sin, int64_t d, float *out) {
-    const int64_t half = d / 2;
-    for (int64_t i = 0; i < half; i++) {
-        out[i] = x[i] * cos[i] - x[i + half] * sin[i];
-        out[i + half] = x[i + half] * cos[i + half] + x[i] * sin[i + half];
-    }
-}
-
 /* One layer's attention for `rows` new tokens of one sequence, after `cached` positions:
    - their keys (RoPE applied) and values go into the layer's cache k/v [kv_heads, capacity, D] at
      slots cached..cached+rows-1;

@@ -151,3 +151,52 @@ int decoder_layers(const layer_weights *layers, const model_shape *shape, float 
     free(h); free(qkv); free(attended); free(gate_up); free(act); free(out); free(qx); free(dx); free(sx);
     return status;
 }
+
+/* A DFlash drafter's context: the target's tapped features of `rows` newly committed tokens [rows, k] ->
+   h = RMSNorm(features @ fc) * hidden_norm, the same vectors for every layer -> per layer, their keys (Qwen3's
+   k_norm, RoPE at cos/sin [rows, D]) and values into the cache [layers, kv_heads, capacity, D] at slots cached..
+   (the caller advances its length). Only the k/v groups of each fused q/k/v product are read: the context
+   rows' queries are never used. 0 on success, -1 for shapes it does not take, -2 when memory runs out. */
+int dflash_context(const layer_weights *layers, const model_shape *shape, const int8_weight *fc,
+                   const float *hidden_norm, const float *features, int64_t rows, const float *cos, const float *sin,
+                   float *k, float *v, int64_t capacity, int64_t cached) {
+    __builtin_cpu_init();
+    const int64_t H = shape->hidden, D = shape->head_dim, heads = shape->heads, kv = shape->kv_heads;
+    if (!__builtin_cpu_supports("avx512vnni") || !shape_ok(fc, H, fc->k) || fc->k % BLOCK || H % BLOCK
+        || D % LANES || (heads * D) % GROUP || cached + rows > capacity)
+        return -1;
+    for (int64_t l = 0; l < shape->layers; l++)
+        if (!shape_ok(&layers[l].qkv, (heads + 2 * kv) * D, H)) return -1;
+    const int64_t widest = fc->k > H ? fc->k : H, blocks = H / BLOCK, skipped = heads * D / GROUP;
+    float *projected = malloc(rows * H * sizeof(float)), *h = malloc(rows * H * sizeof(float));
+    float *kv_rows = malloc(rows * 2 * kv * D * sizeof(float));
+    int8_t *qx = malloc(rows * widest);
+    float *dx = malloc(rows * (widest / BLOCK) * sizeof(float)), *sx = malloc(rows * (widest / BLOCK) * sizeof(float));
+    const int status = projected && h && kv_rows && qx && dx && sx ? 0 : -2;
+    if (status == 0) {
+        product(features, rows, fc, projected, qx, dx, sx);
+        for (int64_t r = 0; r < rows; r++) rms_norm(projected + r * H, hidden_norm, H, shape->eps, h + r * H);
+        for (int64_t l = 0; l < shape->layers; l++) {
+            /* the k/v outputs of the fused product: its groups after the queries' (int8 layout: per group of 16
+               outputs, its blocks' bytes, scales and minimums one after another) */
+            const int8_weight *qkv = &layers[l].qkv;
+            const int64_t bytes = qkv->q4 ? 4 * 64 : 8 * 64;
+            const int8_weight kv_part = {
+                qkv->q4 ? qkv->q4 + skipped * blocks * bytes : 0, qkv->q8 ? qkv->q8 + skipped * blocks * bytes : 0,
+                qkv->scale + skipped * blocks * GROUP, qkv->minimum ? qkv->minimum + skipped * blocks * GROUP : 0,
+                2 * kv * D, H};
+            product(h, rows, &kv_part, kv_rows, qx, dx, sx);
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t g = 0; g < kv; g++) {
+                    float *key = kv_rows + r * 2 * kv * D + g * D;
+                    const float *value = kv_rows + r * 2 * kv * D + (kv + g) * D;
+                    if (layers[l].k_norm) rms_norm(key, layers[l].k_norm, D, shape->eps, key);
+                    const int64_t slot = ((l * kv + g) * capacity + cached + r) * D;
+                    rope(key, cos + r * D, sin + r * D, D, k + slot);
+                    memcpy(v + slot, value, D * sizeof(float));
+                }
+        }
+    }
+    free(projected); free(h); free(kv_rows); free(qx); free(dx); free(sx);
+    return status;
+}

@@ -40,4 +40,13 @@ static inline __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(p, n);  /* p * 2^n */
 }
 
+/* x [d] rotated by RoPE (Hugging Face's rotate-half convention) at the position whose tables are cos/sin [d]. */
+static inline void rope(const float *x, const float *cos, const float *sin, int64_t d, float *out) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i++) {
+        out[i] = x[i] * cos[i] - x[i + half] * sin[i];
+        out[i + half] = x[i + half] * cos[i + half] + x[i] * sin[i + half];
+    }
+}
+
 #endif

@@ -90,3 +90,17 @@ class NativeLayers:
         if status != 0:
             raise ValueError(f"decoder_layers refused {x.shape[0]} rows in {len(batch)} segments: status {status}")
         return taps
+
+    def write_context(self, fc: Int8Blocks, hidden_norm: torch.Tensor, features: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, cache: KVCache) -> None:
+        """A DFlash drafter's context (decoder.c's dflash_context): features [T, k] of T newly committed tokens ->
+        fc, hidden_norm, then each layer's keys (RoPE at cos/sin [T, D]) and values into the cache after its
+        length, which the caller advances."""
+        cache.check_room(features.shape[0])
+        features = features.contiguous()
+        status = blockquant.library().dflash_context(
+            ctypes.byref(self.layers), ctypes.byref(self.shape), ctypes.byref(Int8Weight.of(fc)), hidden_norm.data_ptr(),
+            features.data_ptr(), features.shape[0], cos.data_ptr(), sin.data_ptr(), cache.k.data_ptr(),
+            cache.v.data_ptr(), cache.capacity, cache.length)
+        if status != 0:
+            raise ValueError(f"dflash_context refused {features.shape[0]} rows of {features.shape[1]}: status {status}")

@@ -200,34 +200,37 @@ def test_a_sequence_that_drafts_nothing_leaves_its_context_pending_until_it_draf
 
 @pytest.mark.skipif(not blockquant.int8_enabled(), reason="decoder.c's layers need AVX-512 VNNI")
 def test_drafting_in_c_layers_computes_what_the_torch_layers_compute(tiny_llama):
-    """A DFlash drafter on int8 products drafts with decoder.c's layers (each block row over all of its context
-    and its block, no mask): two sequences' blocks after contexts of 11 and 5 tokens, against the torch layers on
-    the same products (a last-bit difference may round one int8 activation a step apart: test_model's
-    test_native_layers_compute_what_the_torch_layers_compute), leaving each context cache as it was."""
+    """A DFlash drafter on int8 products projects its context and drafts in decoder.c (each block row over all of
+    its context and its block, no mask): two sequences with contexts of 11 and 5 tokens (the first projected in
+    two steps), against the torch layers on the same products (a last-bit difference may round one int8
+    activation a step apart: test_model's test_native_layers_compute_what_the_torch_layers_compute); drafting
+    leaves each context cache as it was."""
     drafter = build_proposer("dflash", tiny_llama, ProposerOptions("random", 7, mask_token_id=95)).drafter
-    assert drafter.native_layers is not None
+    native = drafter.native_layers
+    assert native is not None
     tokens = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(6))
     taps = tiny_llama(tokens, tiny_llama.new_cache(32), tap_layers=drafter.config.target_layer_ids).taps
     cfg = drafter.config
-    caches = []
-    for length in (11, 5):
-        cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, length + cfg.block_size)
-        for layer, (k, v) in enumerate(drafter.context_kv(taps[:length], torch.arange(length))):
-            cache.write(layer, k, v)
-        cache.advance(length)
-        caches.append(cache)
-    context = [(cache.k[:, :, : cache.length].clone(), cache.v[:, :, : cache.length].clone()) for cache in caches]
     blocks = torch.tensor([[int(tokens[10])] + [95] * 7, [int(tokens[4])] + [95] * 7]).flatten()
-    hidden = drafter.draft_hidden(tiny_llama.embed_tokens(blocks), caches)
-    assert torch.equal(hidden, drafter.draft_hidden(tiny_llama.embed_tokens(blocks), caches))  # nothing kept
-    for cache, (k, v), length in zip(caches, context, (11, 5)):
-        assert cache.length == length and torch.equal(cache.k[:, :, :length], k) and torch.equal(cache.v[:, :, :length], v)
-    native = drafter.native_layers
-    drafter.native_layers = None
+
+    def draft(layers):
+        drafter.native_layers = layers
+        caches = [KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, n + cfg.block_size) for n in (11, 5)]
+        drafter.project_context([(caches[0], taps[:7]), (caches[1], taps[:5])])
+        drafter.project_context([(caches[0], taps[7:11])])
+        return caches, drafter.draft_hidden(tiny_llama.embed_tokens(blocks), caches)
+
     try:
-        expected = drafter.draft_hidden(tiny_llama.embed_tokens(blocks), caches)
+        expected_caches, expected = draft(None)
+        caches, hidden = draft(native)
+        context = [(cache.k[:, :, : cache.length].clone(), cache.v[:, :, : cache.length].clone()) for cache in caches]
+        assert torch.equal(hidden, drafter.draft_hidden(tiny_llama.embed_tokens(blocks), caches))  # nothing kept
     finally:
         drafter.native_layers = native
+    for cache, want, (k, v) in zip(caches, expected_caches, context):
+        assert cache.length == want.length and torch.equal(cache.k[:, :, : cache.length], k)
+        for ours, theirs in ((k, want.k[:, :, : want.length]), (v, want.v[:, :, : want.length])):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=0.05 * theirs.abs().max().item())
     torch.testing.assert_close(hidden, expected, rtol=0, atol=0.05 * expected.abs().max().item())
 
 

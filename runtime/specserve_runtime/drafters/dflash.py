@@ -216,6 +216,22 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary(positions)
         return [layer.self_attn.key_value(context, cos, sin) for layer in self.layers]
 
+    def project_context(self, pending: list[tuple[KVCache, torch.Tensor]]) -> None:
+        """Inference: each sequence's newly committed target taps [C, L*H] projected into its context keys/values,
+        written after its cache's length, which then covers them."""
+        sizes = [taps.shape[0] for _, taps in pending]
+        positions = [torch.arange(cache.length, cache.length + size) for (cache, _), size in zip(pending, sizes)]
+        if self.native_layers is not None:
+            for (cache, taps), at in zip(pending, positions):
+                self.native_layers.write_context(self.fc.int8_blocks, self.hidden_norm.weight, taps, *self.rotary(at), cache)
+        else:  # all sequences' rows in one pass through the products
+            projected = self.context_kv(torch.cat([taps for _, taps in pending]), torch.cat(positions))
+            for layer, (k, v) in enumerate(projected):
+                for (cache, _), k_s, v_s in zip(pending, k.split(sizes, 2), v.split(sizes, 2)):
+                    cache.write(layer, k_s, v_s)
+        for (cache, _), size in zip(pending, sizes):
+            cache.advance(size)
+
     def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, contexts: list, mask=None) -> torch.Tensor:
         """Block embeddings [N, H] at positions [N] -> normalised hidden states [N, H] for the LM head.
         contexts: per sequence, its context_kv; the N rows are the sequences' blocks end to end, so
@@ -319,20 +335,12 @@ class DFlashProposer(ModelProposer):
 
     def _project_context(self, proposers: list["DFlashProposer"]) -> None:
         """Project the target features committed since the last step into each sequence's context
-        keys/values, for all sequences in one drafter pass; they never change afterwards."""
-        pending = [(proposer, torch.cat(proposer.pending)) for proposer in proposers if proposer.pending]
-        if not pending:
-            return
-        caches = [proposer.context_cache for proposer, _ in pending]
-        sizes = [taps.shape[0] for _, taps in pending]
-        positions = torch.cat([torch.arange(cache.length, cache.length + size) for cache, size in zip(caches, sizes)])
-        projected = self.drafter.context_kv(torch.cat([taps for _, taps in pending]), positions)
-        for layer, (k, v) in enumerate(projected):
-            for cache, k_s, v_s in zip(caches, k.split(sizes, 2), v.split(sizes, 2)):
-                cache.write(layer, k_s, v_s)
-        for (proposer, _), cache, size in zip(pending, caches, sizes):
+        keys/values, for all sequences at once (DFlashDrafter.project_context); they never change afterwards."""
+        pending = [proposer for proposer in proposers if proposer.pending]
+        if pending:
+            self.drafter.project_context([(proposer.context_cache, torch.cat(proposer.pending)) for proposer in pending])
+        for proposer in pending:
             proposer.pending = []
-            cache.advance(size)
 
 
 def random_drafter(config: DFlashConfig, seed: int) -> DFlashDrafter:
@@ -383,7 +391,7 @@ def build_dflash(target: Transformer, options: ProposerOptions) -> DFlashPropose
         drafter = load_dflash(source)
     check_matches_target("dflash", drafter.config, target.config)
     fuse_projections(drafter, int8_activations=int8_drafting())
-    if native.runs(drafter.layers, drafter.config.head_dim):
+    if native.runs(drafter.layers, drafter.config.head_dim) and drafter.fc.int8_blocks is not None:
         drafter.native_layers = native.NativeLayers(drafter.layers, drafter.config.layer_config())
     max_drafts = drafter.config.block_size - 1
     point = checkpoint.operating_point(source, options, max_drafts)
