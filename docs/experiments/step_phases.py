@@ -1,7 +1,8 @@
 """One-off measurement: where one sequence's decode step goes (drafting, the target's verify forward,
 the rest: acceptance, commit, Python), per method, as the engine runs it, with the drafter's products
 on float32 weights ("/float32 drafter": SPECSERVE_DRAFTER_INT8=0), its LM head on torch's F.linear
-("/unpacked head") or a DFlash drafter's layers in torch instead of decoder.c ("/torch layers"), interleaved
+("/unpacked head") or a DFlash drafter's context projection and layers in torch instead of decoder.c ("/torch
+layers"), interleaved
 in rounds.
 
 Greedy, 6 of set v2's held-out prompts (2 per category), 96 new tokens each, decode only.
