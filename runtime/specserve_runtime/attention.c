@@ -11,11 +11,12 @@
    It also does what comes before attention on the new tokens' rows, RoPE on queries and keys and the
    keys' and values' writes into the cache, in one call instead of a dozen small torch operations.
 
-   The keys a row sees: the `cached` slots 0..cached-1 of its layer's cache, then the new tokens j
-   (slots cached + j) that visible[row][j] allows, ascending: for a chain, the row's predecessors
-   and itself; for a draft tree, its ancestors and itself, whose keys equal those the one-token
-   steps along that branch stored at consecutive slots. A key's place in that list, not its slot,
-   decides every summation order below.
+   The keys a row sees: the `cached` slots 0..cached-1 of its layer's cache (those cached_visible[row]
+   allows, where it is given: an EAGLE-3 draft tree's other branches sit in its drafter's cache),
+   then the new tokens j (slots cached + j) that visible[row][j] allows, ascending: for a chain, the
+   row's predecessors and itself; for a draft tree, its ancestors and itself, whose keys equal those
+   the one-token steps along that branch stored at consecutive slots. A key's place in that list,
+   not its slot, decides every summation order below.
 
    Per (row, head): scores s_n = q . k_n / sqrt(D), each a dot product of 16-lane partial sums
    reduced in one fixed order; p_n = exp(s_n - max s); out = sum_n p_n v_n / sum_n p_n, summed
@@ -81,12 +82,13 @@ static void attend_one(const float *q, const float *k, const float *v, const int
    - out[rows, heads * D] = each row's query (RoPE applied) attending to the keys visible[rows, rows]
      lets it see, as above.
    q, k_new, v_new: head h of row r at q[r * q_row + h * q_head] (views of the fused q/k/v product);
-   cos/sin [rows, D]: each row's position. Query head h reads key head h / (heads / kv_heads).
+   cos/sin [rows, D]: each row's position; cached_visible [rows, cached] or NULL (every cached slot).
+   Query head h reads key head h / (heads / kv_heads).
    0 on success, -1 for shapes it does not take, -2 when memory runs out. */
 int attention_rows(const float *q, int64_t q_row, int64_t q_head, const float *k_new, int64_t k_row, int64_t k_head,
                    const float *v_new, int64_t v_row, int64_t v_head, const float *cos, const float *sin,
                    float *k, float *v, int64_t capacity, int64_t heads, int64_t kv_heads, int64_t d, int64_t cached,
-                   int64_t rows, const uint8_t *visible, float *out) {
+                   int64_t rows, const uint8_t *visible, const uint8_t *cached_visible, float *out) {
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx512f") || d % LANES != 0 || heads % kv_heads != 0 || cached + rows > capacity)
         return -1;
@@ -111,7 +113,8 @@ int attention_rows(const float *q, int64_t q_row, int64_t q_head, const float *k
                     continue;
                 }
                 int64_t n_keys = 0;
-                for (int64_t s = 0; s < cached; s++) slots[n_keys++] = (int32_t)s;
+                for (int64_t s = 0; s < cached; s++)
+                    if (!cached_visible || cached_visible[row * cached + s]) slots[n_keys++] = (int32_t)s;
                 for (int64_t j = 0; j < rows; j++)
                     if (visible[row * rows + j]) slots[n_keys++] = (int32_t)(cached + j);
                 float *query = p + ((most_keys + LANES - 1) / LANES) * LANES;

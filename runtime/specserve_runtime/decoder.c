@@ -11,7 +11,8 @@
    plain decoding's logits.
 
    A layer, x [N, H] in place:
-     h = RMSNorm(x) * input_norm;  q, k, v = h @ qkv   (Qwen3: q and k heads RMSNormed too)
+     h = RMSNorm(x) * input_norm;  q, k, v = h @ qkv   (Qwen3: q and k heads RMSNormed too; EAGLE-3's
+       layer: h = [RMSNorm(embeds) * input_norm ; RMSNorm(x) * hidden_norm], 2H wide, x its features)
      x += attention_rows(q, k, v) @ o                   (RoPE, cache writes, each segment's own cache)
      h = RMSNorm(x) * post_norm;   g, u = h @ gate_up;  x += (silu(g) * u) @ down */
 
@@ -31,6 +32,7 @@ typedef struct {  /* a weight in the int8 layout (blockquant.Int8Blocks): q4 wit
 
 typedef struct {
     const float *input_norm, *post_norm, *q_norm, *k_norm;  /* q_norm, k_norm: Qwen3's, else NULL */
+    const float *hidden_norm;  /* EAGLE-3's, on the features beside the normed embeddings; else NULL */
     int8_weight qkv, o, gate_up, down;
 } layer_weights;
 
@@ -38,6 +40,7 @@ typedef struct {  /* one sequence's new rows, laid end to end with the others' *
     float *k, *v;  /* its cache, [layers, kv_heads, capacity, D] each */
     int64_t capacity, cached, rows;
     const uint8_t *visible;  /* [rows, rows]: the new tokens each new token sees (attention.c) */
+    const uint8_t *cached_visible;  /* [rows, cached]: the cached slots each sees, or NULL: all (attention.c) */
 } segment;
 
 typedef struct {
@@ -82,15 +85,16 @@ static int shape_ok(const int8_weight *w, int64_t n_out, int64_t k) {
 }
 
 /* Runs every layer over x [rows, hidden] (the segments' new rows end to end), in place; cos/sin [rows, D]
-   each row's RoPE tables. tapped[layer] != 0: that layer's output goes to taps [rows, n_taps * hidden],
-   taps side by side in layer order. 0 on success, -1 for shapes it does not take (nothing written),
-   -2 when memory runs out (the caches may hold some of the new rows' keys: the caller drops the step). */
-int decoder_layers(const layer_weights *layers, const model_shape *shape, float *x, int64_t rows, const float *cos,
-                   const float *sin, const segment *segments, int64_t n_segments, const uint8_t *tapped,
-                   float *taps) {
+   each row's RoPE tables; embeds [rows, hidden] or NULL: an EAGLE-3 layer's token embeddings beside x, its
+   features. tapped[layer] != 0: that layer's output goes to taps [rows, n_taps * hidden], taps side by side
+   in layer order. 0 on success, -1 for shapes it does not take (nothing written), -2 when memory runs out
+   (the caches may hold some of the new rows' keys: the caller drops the step). */
+int decoder_layers(const layer_weights *layers, const model_shape *shape, float *x, const float *embeds,
+                   int64_t rows, const float *cos, const float *sin, const segment *segments, int64_t n_segments,
+                   const uint8_t *tapped, float *taps) {
     __builtin_cpu_init();
     const int64_t H = shape->hidden, D = shape->head_dim, heads = shape->heads, kv = shape->kv_heads;
-    const int64_t I = shape->intermediate, width = (heads + 2 * kv) * D;
+    const int64_t I = shape->intermediate, width = (heads + 2 * kv) * D, in = embeds ? 2 * H : H;
     if (!__builtin_cpu_supports("avx512vnni") || H % BLOCK || (heads * D) % BLOCK || I % BLOCK || D % LANES
         || heads % kv)
         return -1;
@@ -101,15 +105,15 @@ int decoder_layers(const layer_weights *layers, const model_shape *shape, float 
     }
     for (int64_t l = 0; l < shape->layers; l++) {
         const layer_weights *w = layers + l;
-        if (!shape_ok(&w->qkv, width, H) || !shape_ok(&w->o, H, heads * D) || !shape_ok(&w->gate_up, 2 * I, H)
-            || !shape_ok(&w->down, H, I) || (w->q_norm == 0) != (w->k_norm == 0))
+        if (!shape_ok(&w->qkv, width, in) || !shape_ok(&w->o, H, heads * D) || !shape_ok(&w->gate_up, 2 * I, H)
+            || !shape_ok(&w->down, H, I) || (w->q_norm == 0) != (w->k_norm == 0) || (w->hidden_norm == 0) != !embeds)
             return -1;
         n_taps += tapped[l] != 0;
     }
     if (total != rows) return -1;
 
-    const int64_t widest = I > H ? (I > heads * D ? I : heads * D) : (H > heads * D ? H : heads * D);
-    float *h = malloc(rows * H * sizeof(float)), *qkv = malloc(rows * width * sizeof(float));
+    const int64_t widest_ = I > in ? I : in, widest = widest_ > heads * D ? widest_ : heads * D;
+    float *h = malloc(rows * in * sizeof(float)), *qkv = malloc(rows * width * sizeof(float));
     float *attended = malloc(rows * heads * D * sizeof(float)), *gate_up = malloc(rows * 2 * I * sizeof(float));
     float *act = malloc(rows * I * sizeof(float)), *out = malloc(rows * H * sizeof(float));
     int8_t *qx = malloc(rows * widest);
@@ -118,7 +122,14 @@ int decoder_layers(const layer_weights *layers, const model_shape *shape, float 
 
     for (int64_t l = 0, tap = 0; l < shape->layers && status == 0; l++) {
         const layer_weights *w = layers + l;
-        for (int64_t r = 0; r < rows; r++) rms_norm(x + r * H, w->input_norm, H, shape->eps, h + r * H);
+        for (int64_t r = 0; r < rows; r++) {
+            if (embeds) {
+                rms_norm(embeds + r * H, w->input_norm, H, shape->eps, h + r * in);
+                rms_norm(x + r * H, w->hidden_norm, H, shape->eps, h + r * in + H);
+            } else {
+                rms_norm(x + r * H, w->input_norm, H, shape->eps, h + r * H);
+            }
+        }
         product(h, rows, &w->qkv, qkv, qx, dx, sx);
         if (w->q_norm)
             for (int64_t r = 0; r < rows; r++) {
@@ -133,7 +144,7 @@ int decoder_layers(const layer_weights *layers, const model_shape *shape, float 
             status = attention_rows(q, width, D, q + heads * D, width, D, q + (heads + kv) * D, width, D,
                                     cos + first * D, sin + first * D, seg->k + layer_cache, seg->v + layer_cache,
                                     seg->capacity, heads, kv, D, seg->cached, seg->rows, seg->visible,
-                                    attended + first * heads * D);
+                                    seg->cached_visible, attended + first * heads * D);
         }
         if (status != 0) break;
         product(attended, rows, &w->o, out, qx, dx, sx);

@@ -18,7 +18,7 @@ void int8_product(const float *x, int64_t rows, int64_t k, const uint8_t *q4, co
 int attention_rows(const float *q, int64_t q_row, int64_t q_head, const float *k_new, int64_t k_row, int64_t k_head,
                    const float *v_new, int64_t v_row, int64_t v_head, const float *cos, const float *sin,
                    float *k, float *v, int64_t capacity, int64_t heads, int64_t kv_heads, int64_t d, int64_t cached,
-                   int64_t rows, const uint8_t *visible, float *out);
+                   int64_t rows, const uint8_t *visible, const uint8_t *cached_visible, float *out);
 
 /* exp(x) for x <= 0: Cephes' expf, a range reduction by ln 2 and its polynomial (tests hold the
    attention to SDPA's and the decoder layers to torch's within 1e-5). Below -87.3 the result is

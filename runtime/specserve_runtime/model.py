@@ -192,7 +192,7 @@ class Transformer(nn.Module):
         cos, sin = self.rotary(torch.cat([segment.positions() for segment in batch]))
         x = self.embed_tokens(torch.cat([segment.tokens for segment in batch]))  # [N, H]
         if self.native_layers is not None:
-            taps = self.native_layers.run(x, cos, sin, [(s.cache, s.visible()) for s in batch], tap_layers)  # x in place
+            taps = self.native_layers.run(x, cos, sin, [(s.cache, s.visible(), None) for s in batch], tap_layers)  # x in place
         else:
             masks = [segment.mask() for segment in batch]
             tapped_outputs = []

@@ -32,12 +32,13 @@ class Int8Weight(ctypes.Structure):  # decoder.c's int8_weight
 
 class LayerWeights(ctypes.Structure):  # decoder.c's layer_weights
     _fields_ = [("input_norm", pointer), ("post_norm", pointer), ("q_norm", pointer), ("k_norm", pointer),
-                ("qkv", Int8Weight), ("o", Int8Weight), ("gate_up", Int8Weight), ("down", Int8Weight)]
+                ("hidden_norm", pointer), ("qkv", Int8Weight), ("o", Int8Weight), ("gate_up", Int8Weight),
+                ("down", Int8Weight)]
 
 
 class SegmentView(ctypes.Structure):  # decoder.c's segment
     _fields_ = [("k", pointer), ("v", pointer), ("capacity", size), ("cached", size), ("rows", size),
-                ("visible", pointer)]
+                ("visible", pointer), ("cached_visible", pointer)]
 
 
 class ModelShape(ctypes.Structure):  # decoder.c's model_shape
@@ -53,41 +54,52 @@ def runs(layers, head_dim: int) -> bool:
 
 
 class NativeLayers:
-    """Fused decoder layers (model.DecoderLayer: the target's, a DFlash drafter's) as decoder.c reads them:
-    pointers into the modules' own tensors, which the model keeps alive (it holds this object)."""
+    """Fused decoder layers (model.DecoderLayer: the target's, a DFlash drafter's; an EAGLE-3 drafter's layer) as
+    decoder.c reads them: pointers into the modules' own tensors, which the model keeps alive (it holds this object)."""
 
     def __init__(self, layers, cfg):
-        """layers: the fused DecoderLayers, every product on int8 blocks (runs()); cfg: their model.ModelConfig."""
+        """layers: the fused layers, every product on int8 blocks (runs()); cfg: their sizes (a model.ModelConfig,
+        an Eagle3Config)."""
         self.shape = ModelShape(len(layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                                 cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
         self.layers = (LayerWeights * len(layers))()
         for weights, layer in zip(self.layers, layers):
             attention, mlp = layer.self_attn, layer.mlp
-            norms = (layer.input_layernorm, layer.post_attention_layernorm, attention.q_norm, attention.k_norm)
-            weights.input_norm, weights.post_norm, weights.q_norm, weights.k_norm = (
+            norms = (layer.input_layernorm, layer.post_attention_layernorm, attention.q_norm, attention.k_norm,
+                     getattr(layer, "hidden_norm", None))
+            weights.input_norm, weights.post_norm, weights.q_norm, weights.k_norm, weights.hidden_norm = (
                 norm.weight.data_ptr() if norm is not None else None for norm in norms)
             for name, linear in (("qkv", attention.qkv), ("o", attention.o_proj), ("gate_up", mlp.gate_up),
                                  ("down", mlp.down_proj)):
                 setattr(weights, name, Int8Weight.of(linear.int8_blocks))
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: list[tuple[KVCache, torch.Tensor]],
-            tap_layers: tuple[int, ...] = ()):
-        """x [N, H] (the segments' new rows end to end, contiguous) through every layer, in place. batch: per segment,
-        its cache and `visible` [T, T] bool, the new rows each new row sees besides the cached ones; its rows' keys
-        and values go into the cache after its length (which is the caller's to advance, or not). -> the tapped
-        layers' outputs side by side in layer order [N, taps * H], or None."""
-        for cache, visible in batch:
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            batch: list[tuple[KVCache, torch.Tensor, torch.Tensor | None]], tap_layers: tuple[int, ...] = (),
+            embeds: torch.Tensor | None = None):
+        """x [N, H] (the segments' new rows end to end) through every layer, in place. batch: per segment, its cache,
+        `visible` [T, T] bool, the new rows each new row sees, and `cached_visible` [T, cache.length] bool, the cached
+        slots each sees, or None: all; its rows' keys and values go into the cache after its length (which is the
+        caller's to advance, or not). embeds [N, H]: an EAGLE-3 layer's token embeddings, x being its features.
+        -> the tapped layers' outputs side by side in layer order [N, taps * H], or None."""
+        for rows in (x, embeds) if embeds is not None else (x,):
+            if rows.dtype != torch.float32 or not rows.is_contiguous() or rows.shape != (x.shape[0], self.shape.hidden):
+                raise ValueError(f"decoder_layers take contiguous float32 rows of {self.shape.hidden}, not "
+                                 f"{rows.dtype} {tuple(rows.shape)}")
+        masks = []  # as bytes, kept alive through the call
+        for cache, visible, cached_visible in batch:
             cache.check_room(visible.shape[0])
-        visible = [seen.to(torch.uint8).contiguous() for _, seen in batch]
+            masks.append([mask.to(torch.uint8).contiguous() if mask is not None else None
+                          for mask in (visible, cached_visible)])
         segments = (SegmentView * len(batch))(*(
-            SegmentView(cache.k.data_ptr(), cache.v.data_ptr(), cache.capacity, cache.length, seen.shape[0],
-                        seen.data_ptr())
-            for (cache, _), seen in zip(batch, visible)))
+            SegmentView(cache.k.data_ptr(), cache.v.data_ptr(), cache.capacity, cache.length, visible.shape[0],
+                        visible.data_ptr(), cached_visible.data_ptr() if cached_visible is not None else None)
+            for (cache, _, _), (visible, cached_visible) in zip(batch, masks)))
         tapped = bytes(layer in tap_layers for layer in range(self.shape.layers))
         taps = torch.empty(x.shape[0], sum(tapped) * self.shape.hidden) if any(tapped) else None
         status = blockquant.library().decoder_layers(
-            ctypes.byref(self.layers), ctypes.byref(self.shape), x.data_ptr(), x.shape[0], cos.data_ptr(),
-            sin.data_ptr(), segments, len(batch), tapped, taps.data_ptr() if taps is not None else None)
+            ctypes.byref(self.layers), ctypes.byref(self.shape), x.data_ptr(),
+            embeds.data_ptr() if embeds is not None else None, x.shape[0], cos.data_ptr(), sin.data_ptr(), segments,
+            len(batch), tapped, taps.data_ptr() if taps is not None else None)
         if status != 0:
             raise ValueError(f"decoder_layers refused {x.shape[0]} rows in {len(batch)} segments: status {status}")
         return taps

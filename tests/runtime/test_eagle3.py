@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from specserve_runtime import blockquant
 from specserve_runtime.drafters import ProposerOptions, build_proposer
 from specserve_runtime.drafters.eagle3 import DraftsBestFirst, Eagle3Config, Eagle3Drafter, save_eagle3
 from specserve_runtime.kv_cache import KVCache
@@ -98,3 +99,51 @@ def test_a_recorded_operating_point_may_be_a_tree(tmp_path, tiny_llama):
     assert (proposer.num_speculative_tokens, proposer.tree) == (5, True)
     chain = build_proposer("eagle3", tiny_llama, ProposerOptions(str(tmp_path), 3))
     assert (chain.num_speculative_tokens, chain.tree) == (3, False)
+
+
+@pytest.mark.skipif(not blockquant.int8_enabled(), reason="decoder.c's layers need AVX-512 VNNI")
+def test_drafting_in_c_layers_computes_what_the_torch_layer_computes(tiny_llama):
+    """An EAGLE-3 drafter on int8 products runs its layer in decoder.c ([normed embeddings ; normed features],
+    the features' residual): the context's rows (causal), then two drafts read with masks that hide each other's
+    slots, against the torch layer on the same products (a last-bit difference may round one int8 activation a
+    step apart: test_model's test_native_layers_compute_what_the_torch_layers_compute)."""
+    proposer, tokens, taps = drafting_setup(tiny_llama, 3, True, 0)
+    drafter, target = proposer.drafter, proposer.target
+    native = drafter.native_layers
+    assert native is not None
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # norms of their own (ones at init), so that mixing them up shows; in place: C reads them too
+        for norm in (drafter.midlayer.input_layernorm, drafter.midlayer.hidden_norm, drafter.midlayer.post_attention_layernorm):
+            norm.weight.uniform_(0.5, 1.5, generator=generator)
+
+    def draft(layers):
+        drafter.native_layers = layers
+        cache = KVCache(1, drafter.config.num_key_value_heads, drafter.config.head_dim, 64)
+        with torch.inference_mode():
+            context = drafter(target.embed_tokens(torch.tensor(tokens[1:])), drafter.fc(taps), [cache], [CONTEXT])
+            reads = []
+            for token, hidden in ((5, context[-1:]), (7, context[-1:])):  # two siblings: the second must not see the first
+                slot = cache.length
+                mask = torch.zeros(1, slot + 1, dtype=torch.bool)
+                mask[0, :CONTEXT] = True
+                mask[0, slot] = True
+                reads.append(drafter(target.embed_tokens(torch.tensor([token])), hidden, [cache], [1],
+                                     torch.tensor([CONTEXT]), [mask]))
+        return [context, *reads], cache
+
+    try:
+        (outputs, cache), (expected, expected_cache) = draft(native), draft(None)
+    finally:
+        drafter.native_layers = native
+    for ours, theirs in zip(outputs, expected):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0.05 * theirs.abs().max().item())
+    for ours, theirs in ((cache.k, expected_cache.k), (cache.v, expected_cache.v)):
+        torch.testing.assert_close(ours[:, :, : cache.length], theirs[:, :, : cache.length], rtol=0,
+                                   atol=0.05 * theirs.abs().max().item())
+    # The second sibling, its first sibling's slot masked, computes what it computes read first: the same keys.
+    drafter.native_layers = native
+    alone = KVCache(1, drafter.config.num_key_value_heads, drafter.config.head_dim, 64)
+    with torch.inference_mode():
+        context = drafter(target.embed_tokens(torch.tensor(tokens[1:])), drafter.fc(taps), [alone], [CONTEXT])
+        first = drafter(target.embed_tokens(torch.tensor([7])), context[-1:], [alone], [1], torch.tensor([CONTEXT]))
+    assert cache.length == CONTEXT + 2 and torch.equal(first, outputs[2])

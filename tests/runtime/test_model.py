@@ -264,12 +264,12 @@ def attention_rows(q, k, v, cos, sin, cache_k, cache_v, cached, visible):
     kernel = blockquant.library().attention_rows
     kernel.restype = ctypes.c_int
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    kernel.argtypes = [pointer, size, size] * 3 + [pointer] * 4 + [size] * 6 + [pointer] * 2
+    kernel.argtypes = [pointer, size, size] * 3 + [pointer] * 4 + [size] * 6 + [pointer] * 3
     (rows, heads, head_dim), visible = q.shape, visible.to(torch.uint8).contiguous()
     out = torch.empty(rows, heads * head_dim)
     status = kernel(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(),
                     v.stride(0), v.stride(1), cos.data_ptr(), sin.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(),
-                    cache_k.shape[1], heads, cache_k.shape[0], head_dim, cached, rows, visible.data_ptr(), out.data_ptr())
+                    cache_k.shape[1], heads, cache_k.shape[0], head_dim, cached, rows, visible.data_ptr(), None, out.data_ptr())
     assert status == 0
     return out
 
@@ -322,11 +322,13 @@ def test_a_forward_past_the_cache_is_refused_and_leaves_it_as_it_was(tiny_target
 
 
 @needs_vnni
-def test_native_layers_refuse_rows_that_are_not_their_segments(tiny_llama_int8):
+def test_native_layers_refuse_rows_they_cannot_take(tiny_llama_int8):
     cache = tiny_llama_int8.new_cache(8)
     x, tables = torch.randn(3, 64), torch.ones(3, 16)
     with pytest.raises(ValueError, match="decoder_layers refused 3 rows in 1 segments: status -1"):
-        tiny_llama_int8.native_layers.run(x, tables, tables, [(cache, torch.ones(2, 2, dtype=torch.bool).tril())])
+        tiny_llama_int8.native_layers.run(x, tables, tables, [(cache, torch.ones(2, 2, dtype=torch.bool).tril(), None)])
+    with pytest.raises(ValueError, match=r"contiguous float32 rows of 64, not torch.float32 \(3, 64\)"):
+        tiny_llama_int8.native_layers.run(torch.randn(64, 3).T, tables, tables, [(cache, torch.ones(3, 3, dtype=torch.bool), None)])
     assert cache.length == 0 and not cache.k.any()
 
 

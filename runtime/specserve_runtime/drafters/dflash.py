@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .. import native
 from ..kv_cache import KVCache
 from ..layers import RMSNorm, RotaryEmbedding, fuse_projections
-from .. import native
 from ..model import DecoderLayer, ModelConfig, Transformer
 from ..verify import DraftTree
 from . import (
@@ -256,7 +256,7 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary(positions)
         x = block_embeds.contiguous()
         everything = torch.ones(block_size, block_size, dtype=torch.bool)
-        self.native_layers.run(x, cos, sin, [(cache, everything) for cache in caches])
+        self.native_layers.run(x, cos, sin, [(cache, everything, None) for cache in caches])
         return self.norm(x)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .. import native
 from ..kv_cache import KVCache
 from ..layers import MLP, Attention, RMSNorm, RotaryEmbedding, causal_mask, fuse_projections
 from ..model import ModelConfig, Transformer
@@ -128,6 +129,7 @@ class Eagle3Drafter(nn.Module):
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
         add_vocab_buffers(self, config.vocab_size, config.draft_vocab_size)
+        self.native_layers: native.NativeLayers | None = None  # decoder.c for drafting, on int8 products (build_eagle3)
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, caches: list[KVCache], sizes: list[int],
                 positions: torch.Tensor | None = None, masks: list[torch.Tensor | None] | None = None) -> torch.Tensor:
@@ -138,7 +140,14 @@ class Eagle3Drafter(nn.Module):
         if positions is None:
             positions = torch.cat([torch.arange(cache.length, cache.length + size) for cache, size in zip(caches, sizes)])
         cos, sin = self.rotary(positions)
-        hidden = self.midlayer(embeds, features, cos, sin, caches, sizes, masks)
+        if self.native_layers is None:
+            hidden = self.midlayer(embeds, features, cos, sin, caches, sizes, masks)
+        else:  # decoder.c, in place on a copy of the features; a mask [size, cache.length + size] splits at the cache
+            hidden = features.clone(memory_format=torch.contiguous_format)
+            batch = [(cache, torch.ones(size, size, dtype=torch.bool).tril(), None) if mask is None
+                     else (cache, mask[:, cache.length :], mask[:, : cache.length])
+                     for cache, size, mask in zip(caches, sizes, masks or [None] * len(caches))]
+            self.native_layers.run(hidden, cos, sin, batch, embeds=embeds.contiguous())
         for cache, size in zip(caches, sizes):
             cache.advance(size)
         return hidden
@@ -275,5 +284,7 @@ def build_eagle3(target: Transformer, options: ProposerOptions) -> Eagle3Propose
         drafter = load_eagle3(source)
     check_matches_target("eagle3", drafter.config, target.config)
     fuse_projections(drafter, int8_activations=int8_drafting())
+    if native.runs([drafter.midlayer], drafter.config.head_dim):
+        drafter.native_layers = native.NativeLayers([drafter.midlayer], drafter.config)
     point = checkpoint.operating_point(source, options, DEFAULT_TOKENS)
     return Eagle3Proposer(target, drafter, point.num_speculative_tokens, point.draft_tree)
