@@ -4,8 +4,8 @@ load_target builds them where every matrix product of the target runs on int8 bl
 and its head vectors are whole AVX-512 registers; Transformer.forward_batch then calls `run` instead of looping
 over its torch layers. The C layers read the same packed weights and norm parameters the modules hold (no copy),
 and compute each row alone, in one fixed order, so a verify block's rows are plain decoding's bits. A DFlash
-drafter's layers and its context projection, on int8 products too, run the same way (dflash.DFlashDrafter's
-draft_hidden and project_context).
+drafter's layers and its context projection, and an EAGLE-3 drafter's layer, on int8 products too, run the same
+way (dflash.DFlashDrafter's draft_hidden and project_context, eagle3.Eagle3Drafter.forward).
 """
 
 import ctypes
