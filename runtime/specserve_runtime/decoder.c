@@ -106,13 +106,15 @@ int decoder_layers(const layer_weights *layers, const model_shape *shape, float 
     for (int64_t l = 0; l < shape->layers; l++) {
         const layer_weights *w = layers + l;
         if (!shape_ok(&w->qkv, width, in) || !shape_ok(&w->o, H, heads * D) || !shape_ok(&w->gate_up, 2 * I, H)
-            || !shape_ok(&w->down, H, I) || (w->q_norm == 0) != (w->k_norm == 0) || (w->hidden_norm == 0) != !embeds)
+            || !shape_ok(&w->down, H, I) || (w->q_norm == 0) != (w->k_norm == 0) || (w->hidden_norm != 0) != (embeds != 0))
             return -1;
         n_taps += tapped[l] != 0;
     }
     if (total != rows) return -1;
 
-    const int64_t widest_ = I > in ? I : in, widest = widest_ > heads * D ? widest_ : heads * D;
+    int64_t widest = in;  /* the widest input of a product: the scratch for its int8 rows */
+    if (I > widest) widest = I;
+    if (heads * D > widest) widest = heads * D;
     float *h = malloc(rows * in * sizeof(float)), *qkv = malloc(rows * width * sizeof(float));
     float *attended = malloc(rows * heads * D * sizeof(float)), *gate_up = malloc(rows * 2 * I * sizeof(float));
     float *act = malloc(rows * I * sizeof(float)), *out = malloc(rows * H * sizeof(float));
