@@ -26,6 +26,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <immintrin.h>
 
 #include "kernels.h"
@@ -76,6 +77,19 @@ static void attend_one(const float *q, const float *k, const float *v, const int
     }
 }
 
+/* The keys (RoPE applied) and values of `rows` new tokens into a layer's cache k/v [kv_heads, capacity, D] at
+   slots cached..cached+rows-1; head g of row r at k_new[r * k_row + g * k_head] (v_new likewise). */
+void store_keys_values(const float *k_new, int64_t k_row, int64_t k_head, const float *v_new, int64_t v_row,
+                       int64_t v_head, const float *cos, const float *sin, float *k, float *v, int64_t capacity,
+                       int64_t kv_heads, int64_t d, int64_t cached, int64_t rows) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < kv_heads; g++) {
+            const int64_t slot = (g * capacity + cached + r) * d;
+            rope(k_new + r * k_row + g * k_head, cos + r * d, sin + r * d, d, k + slot);
+            memcpy(v + slot, v_new + r * v_row + g * v_head, d * sizeof(float));
+        }
+}
+
 /* One layer's attention for `rows` new tokens of one sequence, after `cached` positions:
    - their keys (RoPE applied) and values go into the layer's cache k/v [kv_heads, capacity, D] at
      slots cached..cached+rows-1;
@@ -92,12 +106,7 @@ int attention_rows(const float *q, int64_t q_row, int64_t q_head, const float *k
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx512f") || d % LANES != 0 || heads % kv_heads != 0 || cached + rows > capacity)
         return -1;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t g = 0; g < kv_heads; g++) {
-            const int64_t slot = (g * capacity + cached + r) * d;
-            rope(k_new + r * k_row + g * k_head, cos + r * d, sin + r * d, d, k + slot);
-            for (int64_t i = 0; i < d; i++) v[slot + i] = v_new[r * v_row + g * v_head + i];
-        }
+    store_keys_values(k_new, k_row, k_head, v_new, v_row, v_head, cos, sin, k, v, capacity, kv_heads, d, cached, rows);
     const float scale = 1.0f / sqrtf((float)d);
     const int64_t group = heads / kv_heads, most_keys = cached + rows;
     int failed = 0;

@@ -111,6 +111,10 @@ class Int8Blocks:
     scale: torch.Tensor
     minimum: torch.Tensor | None = None
 
+    def kernel_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(q4, q8): the kernel's two weight arguments, the one of the other format None."""
+        return (self.weights, None) if self.format == "Q4_1" else (None, self.weights)
+
 
 GROUP = 16  # outputs per int8 group: the 16 int32 lanes of an AVX-512 register
 
@@ -150,7 +154,7 @@ def linear(x: torch.Tensor, blocks: Blocks | Int8Blocks, isa: int | None = None)
     n, k = blocks.shape
     int8 = isinstance(blocks, Int8Blocks)
     if int8:
-        q4, q8 = (blocks.weights, None) if blocks.format == "Q4_1" else (None, blocks.weights)
+        q4, q8 = blocks.kernel_weights()
     else:
         q4, q8 = blocks.nibbles, blocks.int8
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != k:

@@ -199,15 +199,15 @@ int dflash_context(const layer_weights *layers, const model_shape *shape, const 
                 qkv->scale + skipped * blocks * GROUP, qkv->minimum ? qkv->minimum + skipped * blocks * GROUP : 0,
                 2 * kv * D, H};
             product(h, rows, &kv_part, kv_rows, qx, dx, sx);
-            for (int64_t r = 0; r < rows; r++)
-                for (int64_t g = 0; g < kv; g++) {
-                    float *key = kv_rows + r * 2 * kv * D + g * D;
-                    const float *value = kv_rows + r * 2 * kv * D + (kv + g) * D;
-                    if (layers[l].k_norm) rms_norm(key, layers[l].k_norm, D, shape->eps, key);
-                    const int64_t slot = ((l * kv + g) * capacity + cached + r) * D;
-                    rope(key, cos + r * D, sin + r * D, D, k + slot);
-                    memcpy(v + slot, value, D * sizeof(float));
-                }
+            if (layers[l].k_norm)
+                for (int64_t r = 0; r < rows; r++)
+                    for (int64_t g = 0; g < kv; g++) {
+                        float *key = kv_rows + r * 2 * kv * D + g * D;
+                        rms_norm(key, layers[l].k_norm, D, shape->eps, key);
+                    }
+            const int64_t layer_cache = l * kv * capacity * D;
+            store_keys_values(kv_rows, 2 * kv * D, D, kv_rows + kv * D, 2 * kv * D, D, cos, sin, k + layer_cache,
+                              v + layer_cache, capacity, kv, D, cached, rows);
         }
     }
     free(projected); free(h); free(kv_rows); free(qx); free(dx); free(sx);

@@ -15,6 +15,10 @@
 void int8_product(const float *x, int64_t rows, int64_t k, const uint8_t *q4, const uint8_t *q8, const float *scale,
                   const float *minimum, int64_t n_out, float *y, int8_t *qx, float *dx, float *sx);
 
+void store_keys_values(const float *k_new, int64_t k_row, int64_t k_head, const float *v_new, int64_t v_row,
+                       int64_t v_head, const float *cos, const float *sin, float *k, float *v, int64_t capacity,
+                       int64_t kv_heads, int64_t d, int64_t cached, int64_t rows);
+
 int attention_rows(const float *q, int64_t q_row, int64_t q_head, const float *k_new, int64_t k_row, int64_t k_head,
                    const float *v_new, int64_t v_row, int64_t v_head, const float *cos, const float *sin,
                    float *k, float *v, int64_t capacity, int64_t heads, int64_t kv_heads, int64_t d, int64_t cached,

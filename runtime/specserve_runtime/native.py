@@ -24,7 +24,7 @@ class Int8Weight(ctypes.Structure):  # decoder.c's int8_weight
 
     @classmethod
     def of(cls, blocks: Int8Blocks) -> "Int8Weight":
-        q4, q8 = (blocks.weights, None) if blocks.format == "Q4_1" else (None, blocks.weights)
+        q4, q8 = blocks.kernel_weights()
         return cls(q4.data_ptr() if q4 is not None else None, q8.data_ptr() if q8 is not None else None,
                    blocks.scale.data_ptr(), blocks.minimum.data_ptr() if blocks.minimum is not None else None,
                    *blocks.shape)
