@@ -20,8 +20,10 @@
 
    Per (row, head): scores s_n = q . k_n / sqrt(D), each a dot product of 16-lane partial sums
    reduced in one fixed order; p_n = exp(s_n - max s); out = sum_n p_n v_n / sum_n p_n, summed
-   in list order (16 lanes over n for the denominator, lanes over D for the numerator). AVX-512
-   only: the target's int8 products, which need it, run on AVX-512 VNNI. */
+   in list order (16 lanes over n for the denominator, lanes over D for the numerator). The query
+   heads that share a key head run side by side (attend_heads), each with exactly its own arithmetic,
+   so the cache is read once per key head, not once per query head. AVX-512 only: the target's int8
+   products, which need it, run on AVX-512 VNNI. */
 
 #include <math.h>
 #include <stdint.h>
@@ -43,37 +45,59 @@ static inline float dot512(const float *a, const float *b, int64_t d) {
     return _mm512_reduce_add_ps(acc);
 }
 
-/* One (row, head): q [D] over the keys listed in `slots` [n_keys] of k/v [capacity, D] -> out [D].
-   `p` holds n_keys rounded up to 16 floats. */
+/* Up to QUERIES query heads at a time read each key and value row of their (shared) key head once: a step of a
+   few rows is bound by reading the cache more than by arithmetic (docs/benchmarks.md, "Grouped-query heads
+   side by side"). */
+#define QUERIES 4
+
+/* One row's query heads q[count] (count <= QUERIES, of one key head) over the keys listed in `slots` [n_keys] of
+   k/v [capacity, D] -> out[count] [D]. p holds count * stride floats, stride >= n_keys rounded up to 16. Each
+   head's arithmetic is what it would be alone. */
 __attribute__((target("avx512f")))
-static void attend_one(const float *q, const float *k, const float *v, const int32_t *slots, int64_t n_keys,
-                       int64_t d, float scale, float *p, float *out) {
-    for (int64_t n = 0; n < n_keys; n++) p[n] = dot512(q, k + slots[n] * d, d) * scale;
-    __m512 most = _mm512_set1_ps(-INFINITY);
-    for (int64_t n = 0; n < n_keys; n += LANES)
-        most = _mm512_max_ps(most, _mm512_mask_loadu_ps(most, live_lanes(n_keys - n), p + n));
-    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(most));
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t n = 0; n < n_keys; n += LANES) {
-        const __mmask16 live = live_lanes(n_keys - n);
-        const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, p + n), shift)));
-        _mm512_mask_storeu_ps(p + n, live, e);
-        total = _mm512_add_ps(total, e);
+static void attend_heads(const float *const *q, int64_t count, const float *k, const float *v, const int32_t *slots,
+                         int64_t n_keys, int64_t d, float scale, float *p, int64_t stride, float *const *out) {
+    for (int64_t n = 0; n < n_keys; n++)
+        for (int64_t h = 0; h < count; h++) p[h * stride + n] = dot512(q[h], k + slots[n] * d, d) * scale;
+    float inverse[QUERIES];
+    for (int64_t h = 0; h < count; h++) {
+        float *ph = p + h * stride;
+        __m512 most = _mm512_set1_ps(-INFINITY);
+        for (int64_t n = 0; n < n_keys; n += LANES)
+            most = _mm512_max_ps(most, _mm512_mask_loadu_ps(most, live_lanes(n_keys - n), ph + n));
+        const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(most));
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t n = 0; n < n_keys; n += LANES) {
+            const __mmask16 live = live_lanes(n_keys - n);
+            const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, ph + n), shift)));
+            _mm512_mask_storeu_ps(ph + n, live, e);
+            total = _mm512_add_ps(total, e);
+        }
+        inverse[h] = 1.0f / _mm512_reduce_add_ps(total);
     }
-    const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-    /* The weighted values, key by key in list order, up to 64 of the D values at a time: one
-       broadcast weight, a value row read once, and up to four independent sums. */
+    /* The weighted values, key by key in list order, up to 64 of the D values at a time: a value row read once
+       for every head, one broadcast weight per head, and up to four independent sums per head. */
     for (int64_t i = 0; i < d; i += 4 * LANES) {
         const int64_t width = d - i < 4 * LANES ? (d - i) / LANES : 4;
-        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        __m512 acc[QUERIES][4];
+        for (int64_t h = 0; h < QUERIES; h++)
+            for (int64_t c = 0; c < 4; c++) acc[h][c] = _mm512_setzero_ps();
         for (int64_t n = 0; n < n_keys; n++) {
-            const __m512 weight = _mm512_set1_ps(p[n]);
             const float *row = v + slots[n] * d + i;
+            __m512 values[4];
             #pragma GCC unroll 4
-            for (int64_t c = 0; c < 4; c++)
-                if (c < width) acc[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(row + c * LANES), acc[c]);
+            for (int64_t c = 0; c < 4; c++) values[c] = c < width ? _mm512_loadu_ps(row + c * LANES) : _mm512_setzero_ps();
+            #pragma GCC unroll 4
+            for (int64_t h = 0; h < QUERIES; h++) {
+                if (h >= count) break;
+                const __m512 weight = _mm512_set1_ps(p[h * stride + n]);
+                #pragma GCC unroll 4
+                for (int64_t c = 0; c < 4; c++)
+                    if (c < width) acc[h][c] = _mm512_fmadd_ps(weight, values[c], acc[h][c]);
+            }
         }
-        for (int64_t c = 0; c < width; c++) _mm512_storeu_ps(out + i + c * LANES, _mm512_mul_ps(acc[c], inverse));
+        for (int64_t h = 0; h < count; h++)
+            for (int64_t c = 0; c < width; c++)
+                _mm512_storeu_ps(out[h] + i + c * LANES, _mm512_mul_ps(acc[h][c], _mm512_set1_ps(inverse[h])));
     }
 }
 
@@ -108,30 +132,39 @@ int attention_rows(const float *q, int64_t q_row, int64_t q_head, const float *k
         return -1;
     store_keys_values(k_new, k_row, k_head, v_new, v_row, v_head, cos, sin, k, v, capacity, kv_heads, d, cached, rows);
     const float scale = 1.0f / sqrtf((float)d);
-    const int64_t group = heads / kv_heads, most_keys = cached + rows;
+    const int64_t group = heads / kv_heads, most_keys = cached + rows, stride = ((most_keys + LANES - 1) / LANES) * LANES;
+    const int64_t batches = (group + QUERIES - 1) / QUERIES;  /* of a key head's query heads */
     int failed = 0;
     #pragma omp parallel reduction(|:failed)
     {
         int32_t *slots = malloc(most_keys * sizeof(int32_t));
-        float *p = malloc((((most_keys + LANES - 1) / LANES) * LANES + d) * sizeof(float));
-        #pragma omp for schedule(static) collapse(2)
+        float *p = malloc((QUERIES * stride + QUERIES * d) * sizeof(float));
+        #pragma omp for schedule(static) collapse(3)
         for (int64_t row = 0; row < rows; row++)
-            for (int64_t h = 0; h < heads; h++) {
-                if (!slots || !p) {  /* still take part in the loop: every thread must reach it */
-                    failed = 1;
-                    continue;
+            for (int64_t g = 0; g < kv_heads; g++)
+                for (int64_t batch = 0; batch < batches; batch++) {
+                    if (!slots || !p) {  /* still take part in the loop: every thread must reach it */
+                        failed = 1;
+                        continue;
+                    }
+                    int64_t n_keys = 0;
+                    for (int64_t s = 0; s < cached; s++)
+                        if (!cached_visible || cached_visible[row * cached + s]) slots[n_keys++] = (int32_t)s;
+                    for (int64_t j = 0; j < rows; j++)
+                        if (visible[row * rows + j]) slots[n_keys++] = (int32_t)(cached + j);
+                    const int64_t first = g * group + batch * QUERIES;
+                    const int64_t count = group - batch * QUERIES < QUERIES ? group - batch * QUERIES : QUERIES;
+                    const float *queries[QUERIES];
+                    float *outs[QUERIES];
+                    for (int64_t h = 0; h < count; h++) {
+                        float *query = p + QUERIES * stride + h * d;
+                        rope(q + row * q_row + (first + h) * q_head, cos + row * d, sin + row * d, d, query);
+                        queries[h] = query;
+                        outs[h] = out + (row * heads + first + h) * d;
+                    }
+                    attend_heads(queries, count, k + g * capacity * d, v + g * capacity * d, slots, n_keys, d, scale,
+                                 p, stride, outs);
                 }
-                int64_t n_keys = 0;
-                for (int64_t s = 0; s < cached; s++)
-                    if (!cached_visible || cached_visible[row * cached + s]) slots[n_keys++] = (int32_t)s;
-                for (int64_t j = 0; j < rows; j++)
-                    if (visible[row * rows + j]) slots[n_keys++] = (int32_t)(cached + j);
-                float *query = p + ((most_keys + LANES - 1) / LANES) * LANES;
-                rope(q + row * q_row + h * q_head, cos + row * d, sin + row * d, d, query);
-                const int64_t kv = h / group;
-                attend_one(query, k + kv * capacity * d, v + kv * capacity * d, slots, n_keys, d, scale, p,
-                           out + (row * heads + h) * d);
-            }
         free(slots);
         free(p);
     }

@@ -276,12 +276,14 @@ def attention_rows(q, k, v, cos, sin, cache_k, cache_v, cached, visible):
 
 @needs_vnni
 @pytest.mark.parametrize("head_dim", [16, 48, 64, 128])
-def test_row_exact_attention_is_attention_and_each_row_computes_alone(head_dim):
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (10, 2)])
+def test_row_exact_attention_is_attention_and_each_row_computes_alone(head_dim, heads, kv_heads):
     """attention.c against RoPE, the cache writes and SDPA with the same mask in torch (a tree after cached keys,
-    grouped-query heads), and each row's output bit for bit what it gives as the only new row after the keys it
-    sees, laid at consecutive slots as plain decoding has them."""
+    grouped-query heads: 2 per key head, and 5, more than attend_heads takes at once), and each row's output bit
+    for bit what it gives as the only new row after the keys it sees, laid at consecutive slots as plain decoding
+    has them."""
     torch.manual_seed(0)
-    heads, kv_heads, capacity, cached = 4, 2, 40, 21
+    capacity, cached = 40, 21
     parents = [-1, 0, 0, 1, 2, 2]
     rows = len(parents)
     cache_k, cache_v = torch.randn(kv_heads, capacity, head_dim), torch.randn(kv_heads, capacity, head_dim)
