@@ -5,6 +5,8 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from specserve_runtime import blockquant
 from specserve_runtime.training import distill as distilling
 from specserve_runtime.training import sources
@@ -292,6 +294,16 @@ def test_target_features_are_computed_once_per_shard_and_again_when_their_file_i
     (folder / "shard-00000.jsonl").write_text(json.dumps({"prompt_ids": [1], "response_ids": [2, 3]}) + "\n")  # changed
     features = TargetFeatures(tiny_llama, distilling.read_shards(folder), (1, 3, 5), log)
     assert len(computed()) == 2 and len(features) == 2 and features[0].shape == (3, 3 * 64)
+
+    # Features of the other arithmetic (here: a file that says the int8 target computed them) are not these.
+    cache = folder / "taps-1-3-5" / "shard-00000.safetensors"
+    with safe_open(cache, "pt") as handle:
+        metadata, tensors = handle.metadata(), {key: handle.get_tensor(key) for key in handle.keys()}
+    assert metadata["target_activations"] == "float32"
+    save_file(tensors, cache, metadata={**metadata, "target_activations": "int8"})
+    messages.clear()
+    TargetFeatures(tiny_llama, distilling.read_shards(folder), (1, 3, 5), log)
+    assert [m.split(":")[0] for m in computed()] == ["target features for shard-00000.jsonl"]
 
 
 def test_a_downloaded_wheel_is_found_by_its_package_name(tmp_path):

@@ -92,15 +92,17 @@ class TargetFeatures:
 
     Computed once per tap set, beside the data, and read lazily from memory-mapped files: the
     features of a 2M-token set (~9 GB) need not fit in memory. A file that does not match its shard
-    (truncated, or computed from an earlier version of the shard) is computed again.
+    (truncated, or computed from an earlier version of the shard) or the target's arithmetic (int8
+    or float32 activations: their features differ in the last bits) is computed again.
     """
 
     def __init__(self, target: Transformer, shards: list[tuple[Path, list[dict]]], layers: tuple[int, ...], log):
         caches = [path.parent / f"taps-{'-'.join(map(str, layers))}" / path.with_suffix(".safetensors").name
                   for path, _ in shards]
-        digests = [hashlib.sha256(path.read_bytes()).hexdigest() for path, _ in shards]
-        self.handles = [self._open(cache, digest, len(records))
-                        for cache, digest, (_, records) in zip(caches, digests, shards, strict=True)]
+        metadata = [{"shard_sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "target_activations": target.activations}
+                    for path, _ in shards]
+        self.handles = [self._open(cache, expected, len(records))
+                        for cache, expected, (_, records) in zip(caches, metadata, shards, strict=True)]
         missing = [index for index, handle in enumerate(self.handles) if handle is None]
         # Hours for a large set on a CPU: say how far along it is, and (by tokens, since shards
         # differ in length) about how long is left.
@@ -113,7 +115,7 @@ class TargetFeatures:
         for count, index in enumerate(missing, 1):
             path, records = shards[index]
             started = time.perf_counter()
-            self.handles[index] = self._compute(target, records, layers, caches[index], digests[index])
+            self.handles[index] = self._compute(target, records, layers, caches[index], metadata[index])
             seconds += time.perf_counter() - started
             done_tokens += tokens[index]
             left = seconds / max(done_tokens, 1) * sum(tokens[i] for i in missing[count:])
@@ -122,7 +124,7 @@ class TargetFeatures:
         self.keys = [(shard, str(n)) for shard, (_, records) in enumerate(shards) for n in range(len(records))]
 
     @staticmethod
-    def _compute(target: Transformer, records: list[dict], layers: tuple[int, ...], cache: Path, digest: str):
+    def _compute(target: Transformer, records: list[dict], layers: tuple[int, ...], cache: Path, metadata: dict):
         from safetensors import safe_open
 
         taps = {}
@@ -132,12 +134,12 @@ class TargetFeatures:
             taps[str(number)] = out.taps.half().contiguous()
         cache.parent.mkdir(exist_ok=True)
         partial = cache.with_name(cache.name + ".partial")  # a file that is there is whole
-        save_file(taps, partial, metadata={"shard_sha256": digest})
+        save_file(taps, partial, metadata=metadata)
         partial.rename(cache)
         return safe_open(cache, "pt")
 
     @staticmethod
-    def _open(cache: Path, digest: str, count: int):
+    def _open(cache: Path, expected: dict, count: int):
         from safetensors import SafetensorError, safe_open
 
         if not cache.exists():
@@ -146,7 +148,7 @@ class TargetFeatures:
             handle = safe_open(cache, "pt")
         except (SafetensorError, OSError):  # truncated or not a safetensors file
             return None
-        if handle.metadata() != {"shard_sha256": digest} or len(handle.keys()) != count:
+        if handle.metadata() != expected or len(handle.keys()) != count:
             return None
         return handle
 
