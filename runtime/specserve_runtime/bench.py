@@ -137,19 +137,10 @@ def _median_run(run, repeats: int):
 
 def method_spec(name: str) -> tuple[str, ProposerOptions]:
     """'dflash', 'dflash:3' for 3 speculative tokens per step, 'dflash:tree5' for a tree of 5 drafts
-    (the drafter's most likely continuations; eagle3 too), 'p0.25' after either (or alone, 'dflash:p0.25')
-    for only the drafts at least 0.25 likely (OperatingPoint.min_draft_probability), 'dflash@FOLDER' or
-    'dflash:3@FOLDER' for a drafter other than the bundled one (a training run's drafter/) -> the method and
-    its proposer options."""
+    (the drafter's most likely continuations; eagle3 too), 'dflash@FOLDER' or 'dflash:3@FOLDER' for a drafter other
+    than the bundled one (a training run's drafter/) -> the method and its proposer options."""
     spec, _, folder = name.partition("@")
-    method, _, options = spec.partition(":")
-    tokens, least = options, None
-    if "p" in options:
-        tokens, _, least = options.partition("p")
-        try:
-            least = float(least)
-        except ValueError:
-            raise ValueError(f"{name!r}: the number after 'p' is a minimum draft probability, in [0, 1)") from None
+    method, _, tokens = spec.partition(":")
     tree = tokens.startswith("tree")
     tokens = tokens.removeprefix("tree")
     if tokens and not (tokens.isdigit() and int(tokens) >= 1):
@@ -157,7 +148,7 @@ def method_spec(name: str) -> tuple[str, ProposerOptions]:
     if "@" in name and not folder:
         raise ValueError(f"{name!r}: a drafter folder follows '@'")
     return method, ProposerOptions(drafter=folder or None, num_speculative_tokens=int(tokens) if tokens else None,
-                                   draft_tree=True if tree else None, min_draft_probability=least)
+                                   draft_tree=True if tree else None)
 
 
 def run_bench(model: LoadedModel, methods: list[str], baselines: list[Baseline], prompts: list[dict],

@@ -214,20 +214,15 @@ def cmd_eval_drafter(args) -> None:
         raise UsageError(f"--eval-sequences must be >= 1, got {args.eval_sequences}")
     model = load_model(args.model)
     result = evaluate_drafter(args.method, folder, model.target, eval_data, args.eval_sequences, args.drafts,
-                              args.draft_tree, args.min_draft_probability,
-                              log=lambda message: print(message, file=sys.stderr))
+                              args.draft_tree, log=lambda message: print(message, file=sys.stderr))
     drafts = f"a tree of {result['drafts']} drafts" if result["tree"] else f"{result['drafts']} drafts"
-    if args.min_draft_probability:
-        drafts += f" at least {args.min_draft_probability:g} likely"
     print(f"{args.method} drafter {folder}, {drafts}, {result['sequences']} held-out sequences of "
           f"{eval_data} (T=0, teacher-forced):", file=sys.stderr)
-    print("| prompts | tau, every position | tau in the engine | drafts verified per step | per-position acceptance "
-          "in the engine |", file=sys.stderr)
-    print("|---|---|---|---|---|", file=sys.stderr)
+    print("| prompts | tau, every position | tau in the engine | per-position acceptance in the engine |", file=sys.stderr)
+    print("|---|---|---|---|", file=sys.stderr)
     for name, row in {"all": result, **result["by_category"]}.items():
         positions = " ".join(f"{p:.2f}" for p in row["engine_per_position"])
-        print(f"| {name} | {row['tau']:.2f} | {row['engine_tau']:.2f} | {row['engine_drafts_per_step']:.2f} | "
-              f"{positions} |", file=sys.stderr)
+        print(f"| {name} | {row['tau']:.2f} | {row['engine_tau']:.2f} | {positions} |", file=sys.stderr)
     print(json.dumps(result))
 
 
@@ -522,9 +517,7 @@ def build_parser() -> Parser:
     bench = commands.add_parser("bench", help="methods side by side: acceptance, tokens/s, speed-up, losslessness")
     bench.add_argument("--methods", default="ar,ngram,eagle3,dflash",
                        help="comma list; METHOD:K drafts K tokens per step (e.g. dflash:3), else the drafter's default; "
-                       "METHOD:treeK a tree of K drafts; a trailing pP (e.g. dflash:tree7p0.25, dflash:p0) keeps only "
-                       "the drafts at least P likely; METHOD[:...]@FOLDER benches the drafter in FOLDER (e.g. a "
-                       "training run's drafter/) instead of the bundled one")
+                       "METHOD[:K]@FOLDER benches the drafter in FOLDER (e.g. a training run's drafter/) instead of the bundled one")
     bench.add_argument("--baselines", help="comma list: onednn (ar with float32 weights, without blockquant), "
                        "hf (transformers generate), prompt-lookup (its assisted mode), "
                        "llamacpp-q4_1 and llamacpp-q8_0 (llama.cpp on the GGUF weights; pip install "
@@ -620,9 +613,6 @@ def build_parser() -> Parser:
                            "block size - 1, EAGLE-3's 4)")
     evaluator.add_argument("--draft-tree", action="store_true", help=DRAFT_TREE_HELP.replace("--num-speculative-tokens",
                                                                                             "--drafts"))
-    evaluator.add_argument("--min-draft-probability", type=float, default=0.0, metavar="P",
-                           help="only drafts the drafter gives at least P (its branch's probability), as a drafter's "
-                                "operating point may record (default 0: every draft)")
     evaluator.set_defaults(run=cmd_eval_drafter)
 
     sweeper = commands.add_parser("sweep-drafter", help="short DFlash runs varying block size and draft layers (resumable)")

@@ -58,14 +58,9 @@ def test_method_spec_sets_the_speculative_tokens():
     assert method_spec("dflash:3") == ("dflash", ProposerOptions(num_speculative_tokens=3))
     assert method_spec("dflash:tree5") == ("dflash", ProposerOptions(num_speculative_tokens=5, draft_tree=True))
     assert method_spec("dflash:tree") == ("dflash", ProposerOptions(draft_tree=True))
-    assert method_spec("dflash:tree7p0.25") == ("dflash", ProposerOptions(num_speculative_tokens=7, draft_tree=True,
-                                                                           min_draft_probability=0.25))
-    assert method_spec("eagle3:p0") == ("eagle3", ProposerOptions(min_draft_probability=0.0))
     for bad in ("dflash:0", "dflash:x", "dflash:0@/runs/a/drafter", "dflash:tree0", "dflash:treex"):
         with pytest.raises(ValueError, match="speculative tokens per step"):
             method_spec(bad)
-    with pytest.raises(ValueError, match="the number after 'p' is a minimum draft probability"):
-        method_spec("dflash:tree7pmax")
 
 
 def test_method_spec_names_a_drafter_folder_after_the_at_sign():

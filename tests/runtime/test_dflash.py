@@ -3,7 +3,6 @@ draft trees, the operating point a checkpoint records."""
 
 import itertools
 import json
-import math
 
 import pytest
 import torch
@@ -302,12 +301,6 @@ def test_draft_tree_holds_the_most_likely_prefixes_of_the_block(num_nodes):
         return sum(float(log_probs[slot, token]) for slot, token in enumerate(prefix))
     best = sorted(every_prefix, key=score, reverse=True)[:num_nodes]
     assert sorted(prefixes) == sorted(best)
-    # With a minimum probability: those of the same prefixes that reach it, and no others.
-    least = score(best[len(best) // 2])
-    confident = draft_tree(log_probs, num_nodes, least)
-    assert confident.tokens == tree.tokens[: len(confident)] and confident.parents == tree.parents[: len(confident)]
-    assert len(confident) == sum(score(prefix) >= least for prefix in best) >= 1
-    assert len(draft_tree(log_probs, num_nodes, score(best[0]) + 1e-3)) == 0  # nothing is that sure
 
 
 def test_a_draft_tree_needs_a_drafter_model(tiny_llama):
@@ -333,27 +326,11 @@ def test_a_drafter_runs_at_the_operating_point_its_config_records_unless_asked_f
     assert (counted.num_speculative_tokens, counted.tree) == (2, False)
     counted_tree = build_proposer("dflash", tiny_llama, ProposerOptions(str(tmp_path), 6, draft_tree=True))
     assert (counted_tree.num_speculative_tokens, counted_tree.tree) == (6, True)
-    assert counted_tree.min_log_prob == -math.inf  # every draft
-
-    # A minimum draft probability travels with the rest of the point, and gives way to the user's.
-    record_operating_point(tmp_path, {"num_speculative_tokens": 7, "draft_tree": True, "min_draft_probability": 0.25})
-    confident = build_proposer("dflash", tiny_llama, ProposerOptions(str(tmp_path)))
-    assert (confident.num_speculative_tokens, confident.tree, confident.min_log_prob) == (7, True, math.log(0.25))
-    every = build_proposer("dflash", tiny_llama, ProposerOptions(str(tmp_path), min_draft_probability=0))
-    assert (every.num_speculative_tokens, every.tree, every.min_log_prob) == (7, True, -math.inf)
-    counted = build_proposer("dflash", tiny_llama, ProposerOptions(str(tmp_path), 3, draft_tree=True))
-    assert counted.min_log_prob == -math.inf  # a count asks for that many drafts
-    with pytest.raises(DrafterError, match=r"min_draft_probability must be in \[0, 1\), got 1.0"):
-        build_proposer("dflash", tiny_llama, ProposerOptions(str(tmp_path), min_draft_probability=1.0))
-    with pytest.raises(DrafterError, match="a minimum draft probability needs a drafter model"):
-        build_proposer("ngram", tiny_llama, ProposerOptions(min_draft_probability=0.5))
 
 
 @pytest.mark.parametrize("point", [
     {"num_speculative_tokens": 0}, {"num_speculative_tokens": True}, {"num_speculative_tokens": "4"},
     {"draft_tree": True}, {"num_speculative_tokens": 4, "draft_tree": 1}, {"num_speculative_tokens": 4, "trees": 2}, [4],
-    {"num_speculative_tokens": 4, "min_draft_probability": 1}, {"num_speculative_tokens": 4, "min_draft_probability": -0.1},
-    {"num_speculative_tokens": 4, "min_draft_probability": "0.2"}, {"num_speculative_tokens": 4, "min_draft_probability": True},
 ])
 def test_a_malformed_recorded_operating_point_is_refused_with_the_file_named(tmp_path, tiny_llama, point):
     save_dflash(tiny_drafter(tiny_llama), tmp_path)

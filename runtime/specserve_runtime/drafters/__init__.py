@@ -4,7 +4,6 @@ The engine owns the target and its KV cache. A proposer only guesses tokens; the
 verifies every guess, so no proposer can change the output, only the speed.
 """
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
@@ -66,12 +65,9 @@ class ModelProposer:
     LM head they borrow, the drafter, and the target features committed since it last drafted.
     A subclass creates its per-sequence cache in begin() and drafts in propose_batch()."""
 
-    def __init__(self, target: Transformer, drafter: torch.nn.Module, num_speculative_tokens: int,
-                 min_draft_probability: float = 0.0):
+    def __init__(self, target: Transformer, drafter: torch.nn.Module, num_speculative_tokens: int):
         self.target, self.drafter = target, drafter
         self.num_speculative_tokens = num_speculative_tokens
-        # OperatingPoint.min_draft_probability, as the log-probability a draft's branch must reach
-        self.min_log_prob = math.log(min_draft_probability) if min_draft_probability > 0 else -math.inf
         self.tap_layers = drafter.config.target_layer_ids
         self.head = DraftHead.for_inference(target.lm_head, draft_token_ids(drafter), int8_drafting())
         self.pending: list[torch.Tensor] = []
@@ -111,9 +107,6 @@ class ProposerOptions:
     # dflash, eagle3: the drafts are the drafter's most likely continuations, a tree, not a chain;
     # None: as the drafter's operating point has it when no count is given, else a chain
     draft_tree: bool | None = None
-    # dflash, eagle3: OperatingPoint.min_draft_probability; None: as the drafter's operating point
-    # has it when no count is given, else 0 (every draft)
-    min_draft_probability: float | None = None
 
 
 # Drafters trained by the project for the default target (see each folder's CARD.md).
@@ -129,17 +122,6 @@ class OperatingPoint:
 
     num_speculative_tokens: int
     draft_tree: bool = False
-    # Draft only what the drafter gives at least this probability: a draft whose branch (it and the
-    # drafts before it) is less likely is left out, and with it the target's row that would verify
-    # it, so a step verifies many drafts where the drafter is sure and few or none where it is not.
-    # Each verified row costs a share of a step (13% on this machine's target, docs/benchmarks.md)
-    # whether it is accepted or not; a draft pays when its chance of acceptance beats that share of
-    # the tokens a step commits. 0: always num_speculative_tokens drafts.
-    min_draft_probability: float = 0.0
-
-    def __post_init__(self):
-        if not 0 <= self.min_draft_probability < 1:
-            raise DrafterError(f"min_draft_probability must be in [0, 1), got {self.min_draft_probability}")
 
 
 def drafter_source(method: str, options: "ProposerOptions") -> str:
@@ -211,7 +193,4 @@ def build_proposer(method: str, target: Transformer, options: ProposerOptions = 
         raise DrafterError(f"num_speculative_tokens must be >= 1, got {options.num_speculative_tokens}")
     if options.draft_tree and method not in ("dflash", "eagle3"):
         raise DrafterError(f"a draft tree needs a drafter model (dflash, eagle3): method {method!r} drafts a chain")
-    if options.min_draft_probability and method not in ("dflash", "eagle3"):
-        raise DrafterError(f"a minimum draft probability needs a drafter model (dflash, eagle3): method {method!r} "
-                           "gives its drafts no probability")
     return PROPOSERS[method](target, options)

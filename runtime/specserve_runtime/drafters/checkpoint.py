@@ -27,34 +27,27 @@ OPERATING_POINT_KEY = "specserve_operating_point"
 
 def recorded_operating_point(folder: str) -> OperatingPoint | None:
     """The operating point a drafter's config.json records, e.g. "specserve_operating_point":
-    {"num_speculative_tokens": 7, "draft_tree": true, "min_draft_probability": 0.25}, if it records one."""
+    {"num_speculative_tokens": 4, "draft_tree": true}, if it records one."""
     recorded = read_config(folder).get(OPERATING_POINT_KEY)
     if recorded is None:
         return None
     fields = recorded if isinstance(recorded, dict) else {}
     count, tree = fields.get("num_speculative_tokens"), fields.get("draft_tree", False)
-    least = fields.get("min_draft_probability", 0.0)
     # type() is: JSON true is not a count, nor 1 a flag.
-    if not fields or set(fields) - {"num_speculative_tokens", "draft_tree", "min_draft_probability"} \
-            or type(count) is not int or count < 1 or type(tree) is not bool \
-            or type(least) not in (int, float) or not 0 <= least < 1:
+    if not fields or set(fields) - {"num_speculative_tokens", "draft_tree"} or type(count) is not int or count < 1 \
+            or type(tree) is not bool:
         raise DrafterError(f"drafter {folder}: config.json's {OPERATING_POINT_KEY} must be "
-                           f'{{"num_speculative_tokens": K >= 1, "draft_tree": true|false, '
-                           f'"min_draft_probability": P in [0, 1) (optional)}}, got {json.dumps(recorded)}')
-    return OperatingPoint(count, tree, float(least))
+                           f'{{"num_speculative_tokens": K >= 1, "draft_tree": true|false}}, got {json.dumps(recorded)}')
+    return OperatingPoint(count, tree)
 
 
 def operating_point(folder: str, options: ProposerOptions, default_count: int) -> OperatingPoint:
-    """What a proposer runs: the user's count, tree and minimum probability where given; without a
-    count, what the drafter records (a count alone asks for a chain of that many drafts, every one
-    kept); else `default_count` drafts as a chain."""
+    """What a proposer runs: the user's count and tree where given; without a count, what the
+    drafter records (a count alone asks for a chain); else `default_count` drafts as a chain."""
     recorded = None if options.num_speculative_tokens or folder == "random" else recorded_operating_point(folder)
     count = options.num_speculative_tokens or (recorded.num_speculative_tokens if recorded else default_count)
     tree = options.draft_tree if options.draft_tree is not None else recorded is not None and recorded.draft_tree
-    least = options.min_draft_probability
-    if least is None:
-        least = recorded.min_draft_probability if recorded else 0.0
-    return OperatingPoint(count, tree, least)
+    return OperatingPoint(count, tree)
 
 
 def load_weights(module: nn.Module, folder: str | Path) -> None:

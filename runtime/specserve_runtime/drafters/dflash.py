@@ -12,7 +12,6 @@ likely prefixes of the block (draft_tree): the same forward, more of its guesses
 """
 
 import heapq
-import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -261,10 +260,9 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
 
-def draft_tree(log_probs: torch.Tensor, num_nodes: int, min_log_prob: float = -math.inf) -> DraftTree:
+def draft_tree(log_probs: torch.Tensor, num_nodes: int) -> DraftTree:
     """The `num_nodes` most likely prefixes of a block, as a tree, from the drafter's
-    log-probabilities [slots, V] of each slot; only those of log-probability >= `min_log_prob`
-    (confident_drafts), so possibly none.
+    log-probabilities [slots, V] of each slot.
 
     DFlash predicts every slot in one forward, from the context and the mask tokens, not from the
     guesses before it: slot k's distribution is the drafter's marginal for the token k places
@@ -280,7 +278,7 @@ def draft_tree(log_probs: torch.Tensor, num_nodes: int, min_log_prob: float = -m
     parents: list[int] = []
     # Frontier of prefixes not yet in the tree: (-log-probability, slot, rank at that slot, parent node).
     frontier = [(-scores[0][0], 0, 0, -1)]
-    while frontier and len(tokens) < num_nodes and -frontier[0][0] >= min_log_prob:
+    while frontier and len(tokens) < num_nodes:
         cost, slot, rank, parent = heapq.heappop(frontier)
         tokens.append(ids[slot][rank])
         parents.append(parent)
@@ -294,12 +292,10 @@ def draft_tree(log_probs: torch.Tensor, num_nodes: int, min_log_prob: float = -m
 class DFlashProposer(ModelProposer):
     context_cache: KVCache | None = None  # per sequence: the projected target features, made by begin()
 
-    def __init__(self, target: Transformer, drafter: "DFlashDrafter", num_speculative_tokens: int, tree: bool = False,
-                 min_draft_probability: float = 0.0):
+    def __init__(self, target: Transformer, drafter: "DFlashDrafter", num_speculative_tokens: int, tree: bool = False):
         """`tree`: draft the `num_speculative_tokens` most likely prefixes of the block (draft_tree),
-        not one token per slot; either way only drafts at least `min_draft_probability` likely
-        (OperatingPoint)."""
-        super().__init__(target, drafter, num_speculative_tokens, min_draft_probability)
+        not one token per slot."""
+        super().__init__(target, drafter, num_speculative_tokens)
         self.tree = tree
 
     def begin(self, capacity: int) -> None:
@@ -329,18 +325,13 @@ class DFlashProposer(ModelProposer):
         # or tree, reaches deeper than its sequence's count.
         most = max(counts)
         logits = self.head.logits(hidden.view(len(drafting), block_size, -1)[:, 1 : 1 + most])
-        log_probs = torch.log_softmax(logits.float(), dim=-1)
         if self.tree:
-            rows = iter(log_probs)
-            trees = [draft_tree(next(rows)[:count], count, self.min_log_prob) if count > 0 else None for count in counts]
+            log_probs = iter(torch.log_softmax(logits.float(), dim=-1))
+            trees = [draft_tree(next(log_probs)[:count], count) if count > 0 else None for count in counts]
             return [DraftTree(self.head.to_target(torch.tensor(tree.tokens)).tolist(), tree.parents) if tree else []
                     for tree in trees]
-        # The chain of each slot's top token, up to its first draft whose branch (that draft and the ones
-        # before it) the drafter gives less than min_draft_probability: the slots taken as independent.
-        top = log_probs.max(dim=-1)
-        confident = iter((top.values.cumsum(dim=-1) >= self.min_log_prob).sum(dim=-1).tolist())
-        guesses = iter(self.head.to_target(top.indices).tolist())
-        return [next(guesses)[: min(count, next(confident))] if count > 0 else [] for count in counts]
+        guesses = iter(self.head.to_target(logits.argmax(dim=-1)).tolist())
+        return [next(guesses)[:count] if count > 0 else [] for count in counts]
 
     def _project_context(self, proposers: list["DFlashProposer"]) -> None:
         """Project the target features committed since the last step into each sequence's context
@@ -406,4 +397,4 @@ def build_dflash(target: Transformer, options: ProposerOptions) -> DFlashPropose
     point = checkpoint.operating_point(source, options, max_drafts)
     if point.num_speculative_tokens > max_drafts and not point.draft_tree:  # a tree's drafts spread over the block's slots
         raise DrafterError(f"num_speculative_tokens {point.num_speculative_tokens} exceeds the drafter's block size - 1 ({max_drafts})")
-    return DFlashProposer(target, drafter, point.num_speculative_tokens, point.draft_tree, point.min_draft_probability)
+    return DFlashProposer(target, drafter, point.num_speculative_tokens, point.draft_tree)

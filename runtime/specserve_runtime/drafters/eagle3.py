@@ -176,16 +176,11 @@ class DraftsBestFirst:
             candidate = (-(self.log_probs[draft] + log_prob), next(self.order), draft, token)
             heapq.heappush(self.candidates, candidate)
 
-    def take_best(self, min_log_prob: float) -> bool:
-        """Draft the most likely candidate if its branch's log-probability is at least `min_log_prob`;
-        False, drafting nothing, if not (no later candidate is more likely)."""
-        if not self.candidates or -self.candidates[0][0] < min_log_prob:
-            return False
+    def take_best(self) -> None:
         cost, _, parent, token = heapq.heappop(self.candidates)
         self.log_probs[len(self.tokens)] = -cost
         self.tokens.append(token)
         self.parents.append(parent)
-        return True
 
     def read_newest(self, slot: int) -> tuple[int, torch.Tensor, int, torch.Tensor | None]:
         """The drafter's input for the newest draft, whose keys/values go to `slot`: its token, the
@@ -210,9 +205,8 @@ class Eagle3Proposer(ModelProposer):
     cache: KVCache | None = None  # per sequence: the drafter layer's keys/values, made by begin()
     num_context = 0  # drafter positions backed by real target features
 
-    def __init__(self, target: Transformer, drafter: "Eagle3Drafter", num_speculative_tokens: int, tree: bool = False,
-                 min_draft_probability: float = 0.0):
-        super().__init__(target, drafter, num_speculative_tokens, min_draft_probability)
+    def __init__(self, target: Transformer, drafter: "Eagle3Drafter", num_speculative_tokens: int, tree: bool = False):
+        super().__init__(target, drafter, num_speculative_tokens)
         self.tree = tree  # draft a tree (DraftsBestFirst), the same number of drafter forwards as a chain
 
     def begin(self, capacity: int) -> None:
@@ -256,7 +250,8 @@ class Eagle3Proposer(ModelProposer):
             going = []
             for row, (k, draft) in enumerate(read):
                 grown[k].expand(draft, hidden[row], log_probs[row], guesses[row])
-                if grown[k].take_best(self.min_log_prob) and len(grown[k].tokens) < drafting[k][3]:
+                grown[k].take_best()
+                if len(grown[k].tokens) < drafting[k][3]:
                     going.append(k)
             if not going:
                 break
@@ -292,4 +287,4 @@ def build_eagle3(target: Transformer, options: ProposerOptions) -> Eagle3Propose
     if native.runs([drafter.midlayer], drafter.config.head_dim):
         drafter.native_layers = native.NativeLayers([drafter.midlayer], drafter.config)
     point = checkpoint.operating_point(source, options, DEFAULT_TOKENS)
-    return Eagle3Proposer(target, drafter, point.num_speculative_tokens, point.draft_tree, point.min_draft_probability)
+    return Eagle3Proposer(target, drafter, point.num_speculative_tokens, point.draft_tree)

@@ -57,31 +57,27 @@ def accepted_prefix(correct: torch.Tensor) -> torch.Tensor:
     return correct.int().cumprod(dim=-1).sum(dim=-1)
 
 
-def tree_accepted(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, num_nodes: int,
-                  min_log_prob: float = -math.inf) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per anchor, the drafts accepted, and the drafts made, when its block's drafts are
-    draft_tree(num_nodes, min_log_prob) of its logits [N, B-1, V]: along an accepted branch the
-    tokens are the data's, so the target's token after a draft at depth d is the data's label d + 1
-    (IGNORE, never a draft, where it has none)."""
-    accepted, drafted = [], []
+def tree_accepted(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, num_nodes: int) -> torch.Tensor:
+    """Per anchor, the drafts accepted when its block's drafts are draft_tree(num_nodes) of its
+    logits [N, B-1, V]: along an accepted branch the tokens are the data's, so the target's token
+    after a draft at depth d is the data's label d + 1 (IGNORE, never a draft, where it has none)."""
+    counts = []
     for anchor_logits, anchor_labels, anchor_valid in zip(logits, labels.tolist(), valid.tolist()):
-        tree = draft_tree(torch.log_softmax(anchor_logits[:num_nodes].float(), dim=-1), num_nodes, min_log_prob)
+        tree = draft_tree(torch.log_softmax(anchor_logits[:num_nodes].float(), dim=-1), num_nodes)
         depths = [0] + tree.depths  # of each row: 0 the anchor, 1 + i draft i
         label = [token if ok else IGNORE for token, ok in zip(anchor_labels, anchor_valid)] + [IGNORE]
-        accepted.append(len(tree.accepted(lambda row: label[depths[row]])))
-        drafted.append(len(tree))
-    return torch.tensor(accepted), torch.tensor(drafted)
+        counts.append(len(tree.accepted(lambda row: label[depths[row]])))
+    return torch.tensor(counts)
 
 
 def proposer_accepted(proposer: Proposer, tokens: list[int], taps: torch.Tensor, response_start: int,
-                      max_drafts: int) -> tuple[list[int], list[int]]:
+                      max_drafts: int) -> list[int]:
     """After each response token but the last (the positions of eagle3_loss's "accepted"), the drafts
-    accepted when the engine's own `proposer` drafts there, and the drafts it made: given the data's
-    tokens and the target's features of them, as in the engine at T=0, where the data is what the
-    target commits. Along an accepted branch the target's token after a draft at depth d is the
-    data's, d + 1 tokens on."""
+    accepted when the engine's own `proposer` drafts there: given the data's tokens and the target's
+    features of them, as in the engine at T=0, where the data is what the target commits. Along an
+    accepted branch the target's token after a draft at depth d is the data's, d + 1 tokens on."""
     proposer.begin(len(tokens) + max_drafts + 1)
-    accepted, drafted, fed = [], [], 0
+    accepted, fed = [], 0
     for position in range(response_start, len(tokens) - 1):
         proposer.extend_context(taps[fed:position])  # the target's features of every token but the last
         fed = position
@@ -89,12 +85,11 @@ def proposer_accepted(proposer: Proposer, tokens: list[int], taps: torch.Tensor,
         depths = [0] + drafts.depths  # of each row: 0 the committed tokens, 1 + i draft i
         following = tokens[position + 1 :]
         accepted.append(len(drafts.accepted(lambda row: following[depths[row]] if depths[row] < len(following) else None)))
-        drafted.append(len(drafts))
-    return accepted, drafted
+    return accepted
 
 
-def engine_walk(accepted: list[int]) -> list[tuple[int, int]]:
-    """The positions where the engine verifies through one response at T=0, with the drafts it accepts there.
+def engine_walk(accepted: list[int]) -> list[int]:
+    """The drafts the engine accepts at each verify step through one response at T=0.
 
     `accepted[i]` is the accepted-prefix length of the drafts made after the response's i-th token
     (every position, in order). The data is the target's greedy output, so from there the engine
@@ -108,7 +103,7 @@ def engine_walk(accepted: list[int]) -> list[tuple[int, int]]:
     while position < len(accepted):
         # As the engine at max_new_tokens: drafts stop one short of the end, leaving the target's token.
         kept = min(accepted[position], len(accepted) - 1 - position)
-        visited.append((position, kept))
+        visited.append(kept)
         position += 1 + kept
     return visited
 
@@ -125,7 +120,6 @@ def dflash_loss(
     generator: torch.Generator,
     teacher: torch.Tensor | None = None,  # [S, H]: the target's normed last hidden states (logit targets)
     tree_nodes: int | None = None,  # evaluation: the drafts are each block's draft tree of this many nodes
-    min_log_prob: float = -math.inf,  # evaluation: only drafts this likely (OperatingPoint.min_draft_probability)
 ) -> tuple[torch.Tensor, dict]:
     cfg = drafter.config
     length, size = tokens.shape[0], cfg.block_size
@@ -150,14 +144,10 @@ def dflash_loss(
     with torch.no_grad():
         correct = (logits.argmax(-1) == labels) & valid
         accepted = accepted_prefix(correct)  # per anchor; with every position as an anchor, engine_walk's input
-        drafted = torch.full_like(accepted, size - 1)
-        if min_log_prob > -math.inf:  # the chain up to its first branch less likely than that (DFlashProposer)
-            drafted = (torch.log_softmax(logits.float(), dim=-1).max(dim=-1).values.cumsum(dim=-1) >= min_log_prob).sum(-1)
-            accepted = torch.minimum(accepted, drafted)
         if tree_nodes is not None:
-            accepted, drafted = tree_accepted(logits, labels, valid, tree_nodes, min_log_prob)
+            accepted = tree_accepted(logits, labels, valid, tree_nodes)
         stats = {"accuracy": float(correct.float().sum() / valid.sum()), "tau": 1 + float(accepted.float().mean()),
-                 "accepted": accepted.tolist(), "drafted": drafted.tolist()}
+                 "accepted": accepted.tolist()}
     return loss, stats
 
 

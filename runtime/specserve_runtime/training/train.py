@@ -219,7 +219,7 @@ def tap_layers(cfg: TrainConfig, target: Transformer) -> tuple[int, ...]:
 
 
 def sequence_loss(cfg: TrainConfig, drafter, target, head: DraftHead, record: dict, taps: torch.Tensor, generator,
-                  tree_nodes: int | None = None, min_log_prob: float = -math.inf):
+                  tree_nodes: int | None = None):
     tokens = torch.tensor(record["prompt_ids"] + record["response_ids"])
     start = len(record["prompt_ids"])
     taps, teacher = taps.float(), None
@@ -228,7 +228,7 @@ def sequence_loss(cfg: TrainConfig, drafter, target, head: DraftHead, record: di
         taps, teacher = taps[:, :-width], target.norm(taps[:, -width:])
     if cfg.method == "dflash":
         return dflash_loss(drafter, target, head, tokens, taps, start, cfg.anchors, cfg.decay_gamma, generator, teacher,
-                           tree_nodes, min_log_prob)
+                           tree_nodes)
     return eagle3_loss(drafter, target, head, tokens, taps, start, cfg.depth, teacher)
 
 
@@ -240,7 +240,7 @@ def has_drafts(record: dict) -> bool:
 
 @torch.no_grad()
 def evaluate(cfg: TrainConfig, drafter, target, head: DraftHead, sequences, taps, drafts: int | None = None,
-             tree: bool = False, min_draft_probability: float = 0.0) -> dict:
+             tree: bool = False) -> dict:
     """Held-out acceptance, teacher-forced after every response token (deterministic: comparable across steps).
 
     tau: the mean over those positions of 1 + the drafts accepted there. engine_tau: tokens per verify
@@ -251,8 +251,6 @@ def evaluate(cfg: TrainConfig, drafter, target, head: DraftHead, sequences, taps
     `tree`: the drafts are a draft tree of `drafts` nodes (the engine's METHOD:treeK): a DFlash
     block's, from its teacher-forced logits; EAGLE-3's grown by the engine's own proposer at every
     position (recipes.proposer_accepted), since each of its drafts needs a drafter forward.
-    `min_draft_probability`: only the drafts the drafter gives at least that (OperatingPoint); then
-    engine_drafts_per_step, the drafts the walk's steps verify, says what the acceptance cost.
     """
     kept = [(record, features) for record, features in zip(sequences, taps) if has_drafts(record)]
     if not kept:
@@ -262,22 +260,20 @@ def evaluate(cfg: TrainConfig, drafter, target, head: DraftHead, sequences, taps
     every_position = replace(cfg, anchors=EVERY_POSITION)
     generator = torch.Generator().manual_seed(1234)
     drafts = drafts or most_drafts(cfg)
-    min_log_prob = math.log(min_draft_probability) if min_draft_probability > 0 else -math.inf
-    results = [sequence_loss(every_position, drafter, target, head, r, t, generator, drafts if tree else None,
-                             min_log_prob) for r, t in zip(sequences, taps)]
-    if cfg.method == "eagle3" and (tree or min_draft_probability > 0):
-        proposer = Eagle3Proposer(target, drafter, drafts, tree, min_draft_probability)
+    results = [sequence_loss(every_position, drafter, target, head, r, t, generator, drafts if tree else None)
+               for r, t in zip(sequences, taps)]
+    if tree and cfg.method == "eagle3":
+        proposer = Eagle3Proposer(target, drafter, drafts, tree=True)
         for record, features, (_, stats) in zip(sequences, taps, results):
-            stats["accepted"], stats["drafted"] = proposer_accepted(
-                proposer, record["prompt_ids"] + record["response_ids"], features.float(), len(record["prompt_ids"]), drafts)
+            stats["accepted"] = proposer_accepted(proposer, record["prompt_ids"] + record["response_ids"],
+                                                  features.float(), len(record["prompt_ids"]), drafts)
     drafter.train()
     groups = {}
     for record, (loss, stats) in zip(sequences, results):
         accepted = [min(a, drafts) for a in stats["accepted"]]
-        drafted = [min(d, drafts) for d in stats.get("drafted", [drafts] * len(accepted))]
         for group in ("all", record.get("category")):
             if group is not None:
-                groups.setdefault(group, []).append((float(loss), stats["accuracy"], accepted, drafted))
+                groups.setdefault(group, []).append((float(loss), stats["accuracy"], accepted))
     summary = {name: _acceptance(rows, drafts) for name, rows in groups.items()}
     everything = summary.pop("all")
     return {**everything, "by_category": dict(sorted(summary.items()))}
@@ -288,19 +284,15 @@ def most_drafts(cfg: TrainConfig) -> int:
     return cfg.block_size - 1 if cfg.method == "dflash" else cfg.depth
 
 
-def _acceptance(rows: list[tuple[float, float, list[int], list[int]]], drafts: int) -> dict:
-    positions = [a for _, _, accepted, _ in rows for a in accepted]
-    walks = [(engine_walk(accepted), drafted) for _, _, accepted, drafted in rows]
-    steps = [kept for walk, _ in walks for _, kept in walk]
-    # As the engine at max_new_tokens, no step drafts past the response's last token.
-    verified = [min(drafted[p], len(drafted) - 1 - p) for walk, drafted in walks for p, _ in walk]
+def _acceptance(rows: list[tuple[float, float, list[int]]], drafts: int) -> dict:
+    positions = [a for _, _, accepted in rows for a in accepted]
+    steps = [a for _, _, accepted in rows for a in engine_walk(accepted)]
     return {
-        "loss": sum(loss for loss, _, _, _ in rows) / len(rows),
-        "accuracy": sum(accuracy for _, accuracy, _, _ in rows) / len(rows),
+        "loss": sum(loss for loss, _, _ in rows) / len(rows),
+        "accuracy": sum(accuracy for _, accuracy, _ in rows) / len(rows),
         "tau": 1 + sum(positions) / len(positions),
         "engine_tau": 1 + sum(steps) / len(steps),
         "engine_per_position": [sum(a >= k for a in steps) / len(steps) for k in range(1, drafts + 1)],
-        "engine_drafts_per_step": sum(verified) / len(verified),
     }
 
 
@@ -316,8 +308,7 @@ def first_sequences(shards: list[tuple[Path, list[dict]]], count: int) -> tuple[
 
 
 def evaluate_drafter(method: str, folder: str, target: Transformer, eval_data: str, sequences: int,
-                     drafts: int | None = None, tree: bool = False, min_draft_probability: float = 0.0,
-                     log=print) -> dict:
+                     drafts: int | None = None, tree: bool = False, log=print) -> dict:
     """`specserve eval-drafter`: a trained drafter's held-out acceptance (`evaluate`) on the first
     `sequences` of a distilled folder: what the engine would measure at T=0 on their prompts, from
     one teacher-forced pass per sequence instead of decoding them."""
@@ -325,8 +316,6 @@ def evaluate_drafter(method: str, folder: str, target: Transformer, eval_data: s
 
     if drafts is not None and drafts < 1:
         raise DrafterError(f"--drafts must be >= 1, got {drafts}")
-    if not 0 <= min_draft_probability < 1:
-        raise DrafterError(f"--min-draft-probability must be in [0, 1), got {min_draft_probability}")
     drafter = (load_dflash if method == "dflash" else load_eagle3)(folder)
     check_matches_target(method, drafter.config, target.config)
     if method == "dflash":
@@ -340,8 +329,8 @@ def evaluate_drafter(method: str, folder: str, target: Transformer, eval_data: s
     # The layers this drafter reads (a drafter trained elsewhere may tap others than training's).
     taps = TargetFeatures(target, shards, tuple(drafter.config.target_layer_ids), log)
     head = DraftHead(target.lm_head.weight, draft_token_ids(drafter))
-    return {"sequences": len(records), "drafts": drafts, "tree": tree, "min_draft_probability": min_draft_probability,
-            **_rounded(evaluate(cfg, drafter, target, head, records, taps, drafts, tree, min_draft_probability))}
+    return {"sequences": len(records), "drafts": drafts, "tree": tree,
+            **_rounded(evaluate(cfg, drafter, target, head, records, taps, drafts, tree))}
 
 
 def _rounded(value):
