@@ -114,59 +114,97 @@ void store_keys_values(const float *k_new, int64_t k_row, int64_t k_head, const 
         }
 }
 
-/* One layer's attention for `rows` new tokens of one sequence, after `cached` positions:
-   - their keys (RoPE applied) and values go into the layer's cache k/v [kv_heads, capacity, D] at
-     slots cached..cached+rows-1;
-   - out[rows, heads * D] = each row's query (RoPE applied) attending to the keys visible[rows, rows]
-     lets it see, as above.
+/* One layer's attention for the new rows of n_segments sequences, laid end to end (a segment's rows follow the
+   previous segment's), each sequence after its own `cached` positions in its own cache:
+   - each row's key (RoPE applied) and value go into its segment's cache for `layer` at slots
+     cached..cached+rows-1;
+   - out[rows, heads * D] = each row's query (RoPE applied) attending to the keys its segment's visible and
+     cached_visible let it see, as above.
    q, k_new, v_new: head h of row r at q[r * q_row + h * q_head] (views of the fused q/k/v product);
-   cos/sin [rows, D]: each row's position; cached_visible [rows, cached] or NULL (every cached slot).
-   Query head h reads key head h / (heads / kv_heads).
+   cos/sin [rows, D]: each row's position. Query head h reads key head h / (heads / kv_heads).
+   Every (row, key head) of the whole batch is one item of a single parallel loop: a step of many sequences with
+   a row each keeps both threads busy (one sequence has as few items as key heads) and pays one fork and join per
+   layer, not one per sequence. An item's arithmetic does not depend on which thread runs it, nor on the others.
    0 on success, -1 for shapes it does not take, -2 when memory runs out. */
-int attention_rows(const float *q, int64_t q_row, int64_t q_head, const float *k_new, int64_t k_row, int64_t k_head,
-                   const float *v_new, int64_t v_row, int64_t v_head, const float *cos, const float *sin,
-                   float *k, float *v, int64_t capacity, int64_t heads, int64_t kv_heads, int64_t d, int64_t cached,
-                   int64_t rows, const uint8_t *visible, const uint8_t *cached_visible, float *out) {
+int attention_segments(const float *q, int64_t q_row, int64_t q_head, const float *k_new, int64_t k_row,
+                       int64_t k_head, const float *v_new, int64_t v_row, int64_t v_head, const float *cos,
+                       const float *sin, const segment *segments, int64_t n_segments, int64_t layer, int64_t heads,
+                       int64_t kv_heads, int64_t d, float *out) {
     __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx512f") || d % LANES != 0 || heads % kv_heads != 0 || cached + rows > capacity)
-        return -1;
-    store_keys_values(k_new, k_row, k_head, v_new, v_row, v_head, cos, sin, k, v, capacity, kv_heads, d, cached, rows);
+    if (!__builtin_cpu_supports("avx512f") || d % LANES != 0 || heads % kv_heads != 0) return -1;
+    int64_t rows = 0, most_keys = 0;
+    for (int64_t s = 0; s < n_segments; s++) {
+        const segment *seg = segments + s;
+        if (seg->cached + seg->rows > seg->capacity) return -1;
+        if (seg->cached + seg->rows > most_keys) most_keys = seg->cached + seg->rows;
+        rows += seg->rows;
+    }
+    int64_t *segment_of = malloc((rows + 1) * sizeof(int64_t)), *first_of = malloc((n_segments + 1) * sizeof(int64_t));
+    if (!segment_of || !first_of) {
+        free(segment_of); free(first_of);
+        return -2;
+    }
+    for (int64_t s = 0, first = 0; s < n_segments; first += segments[s++].rows) {
+        const segment *seg = segments + s;
+        const int64_t layer_cache = layer * kv_heads * seg->capacity * d;
+        first_of[s] = first;
+        for (int64_t r = first; r < first + seg->rows; r++) segment_of[r] = s;
+        store_keys_values(k_new + first * k_row, k_row, k_head, v_new + first * v_row, v_row, v_head, cos + first * d,
+                          sin + first * d, seg->k + layer_cache, seg->v + layer_cache, seg->capacity, kv_heads, d,
+                          seg->cached, seg->rows);
+    }
     const float scale = 1.0f / sqrtf((float)d);
-    const int64_t group = heads / kv_heads, most_keys = cached + rows, stride = ((most_keys + LANES - 1) / LANES) * LANES;
+    const int64_t group = heads / kv_heads, stride = ((most_keys + LANES - 1) / LANES) * LANES;
     const int64_t batches = (group + QUERIES - 1) / QUERIES;  /* of a key head's query heads */
     int failed = 0;
     #pragma omp parallel reduction(|:failed)
     {
         int32_t *slots = malloc(most_keys * sizeof(int32_t));
         float *p = malloc((QUERIES * stride + QUERIES * d) * sizeof(float));
-        #pragma omp for schedule(static) collapse(3)
-        for (int64_t row = 0; row < rows; row++)
-            for (int64_t g = 0; g < kv_heads; g++)
-                for (int64_t batch = 0; batch < batches; batch++) {
-                    if (!slots || !p) {  /* still take part in the loop: every thread must reach it */
-                        failed = 1;
-                        continue;
-                    }
-                    int64_t n_keys = 0;
-                    for (int64_t s = 0; s < cached; s++)
-                        if (!cached_visible || cached_visible[row * cached + s]) slots[n_keys++] = (int32_t)s;
-                    for (int64_t j = 0; j < rows; j++)
-                        if (visible[row * rows + j]) slots[n_keys++] = (int32_t)(cached + j);
-                    const int64_t first = g * group + batch * QUERIES;
-                    const int64_t count = group - batch * QUERIES < QUERIES ? group - batch * QUERIES : QUERIES;
-                    const float *queries[QUERIES];
-                    float *outs[QUERIES];
-                    for (int64_t h = 0; h < count; h++) {
-                        float *query = p + QUERIES * stride + h * d;
-                        rope(q + row * q_row + (first + h) * q_head, cos + row * d, sin + row * d, d, query);
-                        queries[h] = query;
-                        outs[h] = out + (row * heads + first + h) * d;
-                    }
-                    attend_heads(queries, count, k + g * capacity * d, v + g * capacity * d, slots, n_keys, d, scale,
-                                 p, stride, outs);
-                }
+        /* dynamic: the sequences' lengths, and so their items' costs, differ */
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < rows * kv_heads * batches; item++) {
+            if (!slots || !p) {  /* still take part in the loop: every thread must reach it */
+                failed = 1;
+                continue;
+            }
+            const int64_t row = item / (kv_heads * batches), g = item / batches % kv_heads, batch = item % batches;
+            const segment *seg = segments + segment_of[row];
+            const int64_t r = row - first_of[segment_of[row]], cached = seg->cached, seg_rows = seg->rows;
+            int64_t n_keys = 0;
+            for (int64_t s = 0; s < cached; s++)
+                if (!seg->cached_visible || seg->cached_visible[r * cached + s]) slots[n_keys++] = (int32_t)s;
+            for (int64_t j = 0; j < seg_rows; j++)
+                if (seg->visible[r * seg_rows + j]) slots[n_keys++] = (int32_t)(cached + j);
+            const int64_t first = g * group + batch * QUERIES;
+            const int64_t count = group - batch * QUERIES < QUERIES ? group - batch * QUERIES : QUERIES;
+            const float *queries[QUERIES];
+            float *outs[QUERIES];
+            for (int64_t h = 0; h < count; h++) {
+                float *query = p + QUERIES * stride + h * d;
+                rope(q + row * q_row + (first + h) * q_head, cos + row * d, sin + row * d, d, query);
+                queries[h] = query;
+                outs[h] = out + (row * heads + first + h) * d;
+            }
+            const int64_t layer_cache = layer * kv_heads * seg->capacity * d;
+            attend_heads(queries, count, seg->k + layer_cache + g * seg->capacity * d,
+                         seg->v + layer_cache + g * seg->capacity * d, slots, n_keys, d, scale, p, stride, outs);
+        }
         free(slots);
         free(p);
     }
+    free(segment_of);
+    free(first_of);
     return failed ? -2 : 0;
+}
+
+/* attention_segments for one sequence, k/v its cache of one layer [kv_heads, capacity, D]; cached_visible
+   [rows, cached] or NULL (every cached slot). */
+int attention_rows(const float *q, int64_t q_row, int64_t q_head, const float *k_new, int64_t k_row, int64_t k_head,
+                   const float *v_new, int64_t v_row, int64_t v_head, const float *cos, const float *sin,
+                   float *k, float *v, int64_t capacity, int64_t heads, int64_t kv_heads, int64_t d, int64_t cached,
+                   int64_t rows, const uint8_t *visible, const uint8_t *cached_visible, float *out) {
+    const segment one = {k, v, capacity, cached, rows, visible, cached_visible};
+    return attention_segments(q, q_row, q_head, k_new, k_row, k_head, v_new, v_row, v_head, cos, sin, &one, 1, 0,
+                              heads, kv_heads, d, out);
 }

@@ -13,7 +13,7 @@
    A layer, x [N, H] in place:
      h = RMSNorm(x) * input_norm;  q, k, v = h @ qkv   (Qwen3: q and k heads RMSNormed too; EAGLE-3's
        layer: h = [RMSNorm(embeds) * input_norm ; RMSNorm(x) * hidden_norm], 2H wide, x its features)
-     x += attention_rows(q, k, v) @ o                   (RoPE, cache writes, each segment's own cache)
+     x += attention_segments(q, k, v) @ o               (RoPE, cache writes, each segment's own cache)
      h = RMSNorm(x) * post_norm;   g, u = h @ gate_up;  x += (silu(g) * u) @ down */
 
 #include <math.h>
@@ -35,13 +35,6 @@ typedef struct {
     const float *hidden_norm;  /* EAGLE-3's, on the features beside the normed embeddings; else NULL */
     int8_weight qkv, o, gate_up, down;
 } layer_weights;
-
-typedef struct {  /* one sequence's new rows, laid end to end with the others' */
-    float *k, *v;  /* its cache, [layers, kv_heads, capacity, D] each */
-    int64_t capacity, cached, rows;
-    const uint8_t *visible;  /* [rows, rows]: the new tokens each new token sees (attention.c) */
-    const uint8_t *cached_visible;  /* [rows, cached]: the cached slots each sees, or NULL: all (attention.c) */
-} segment;
 
 typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, intermediate;
@@ -139,15 +132,8 @@ int decoder_layers(const layer_weights *layers, const model_shape *shape, float 
                 for (int64_t j = 0; j < heads; j++) rms_norm(row + j * D, w->q_norm, D, shape->eps, row + j * D);
                 for (int64_t j = heads; j < heads + kv; j++) rms_norm(row + j * D, w->k_norm, D, shape->eps, row + j * D);
             }
-        for (int64_t s = 0, first = 0; s < n_segments && status == 0; first += segments[s++].rows) {
-            const segment *seg = segments + s;
-            const int64_t layer_cache = l * kv * seg->capacity * D;
-            const float *q = qkv + first * width;
-            status = attention_rows(q, width, D, q + heads * D, width, D, q + (heads + kv) * D, width, D,
-                                    cos + first * D, sin + first * D, seg->k + layer_cache, seg->v + layer_cache,
-                                    seg->capacity, heads, kv, D, seg->cached, seg->rows, seg->visible,
-                                    seg->cached_visible, attended + first * heads * D);
-        }
+        status = attention_segments(qkv, width, D, qkv + heads * D, width, D, qkv + (heads + kv) * D, width, D, cos, sin,
+                                    segments, n_segments, l, heads, kv, D, attended);
         if (status != 0) break;
         product(attended, rows, &w->o, out, qx, dx, sx);
         for (int64_t i = 0; i < rows * H; i++) x[i] += out[i];

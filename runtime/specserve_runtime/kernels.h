@@ -19,6 +19,18 @@ void store_keys_values(const float *k_new, int64_t k_row, int64_t k_head, const 
                        int64_t v_head, const float *cos, const float *sin, float *k, float *v, int64_t capacity,
                        int64_t kv_heads, int64_t d, int64_t cached, int64_t rows);
 
+typedef struct {  /* one sequence's new rows, laid end to end with the others' */
+    float *k, *v;  /* its cache, [layers, kv_heads, capacity, D] each */
+    int64_t capacity, cached, rows;
+    const uint8_t *visible;  /* [rows, rows]: the new tokens each new token sees (attention.c) */
+    const uint8_t *cached_visible;  /* [rows, cached]: the cached slots each sees, or NULL: all (attention.c) */
+} segment;
+
+int attention_segments(const float *q, int64_t q_row, int64_t q_head, const float *k_new, int64_t k_row,
+                       int64_t k_head, const float *v_new, int64_t v_row, int64_t v_head, const float *cos,
+                       const float *sin, const segment *segments, int64_t n_segments, int64_t layer, int64_t heads,
+                       int64_t kv_heads, int64_t d, float *out);
+
 int attention_rows(const float *q, int64_t q_row, int64_t q_head, const float *k_new, int64_t k_row, int64_t k_head,
                    const float *v_new, int64_t v_row, int64_t v_head, const float *cos, const float *sin,
                    float *k, float *v, int64_t capacity, int64_t heads, int64_t kv_heads, int64_t d, int64_t cached,

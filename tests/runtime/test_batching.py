@@ -140,6 +140,33 @@ def test_a_batched_forward_equals_separate_forwards(tiny_llama):
     torch.testing.assert_close(last_only[0].logits, batched[0].logits[-1:], rtol=1e-4, atol=1e-4)
 
 
+def test_on_int8_a_batched_forward_has_each_sequences_bits_alone(tiny_llama_int8):
+    """decoder.c runs attention for every row of every sequence in one parallel loop per layer (attention.c's
+    attention_segments): each sequence's logits, taps and cache are bit for bit what it gets alone, whatever
+    its neighbours' lengths and shapes (a prompt, one decode row, a chain, a tree)."""
+    model = tiny_llama_int8
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 90, (n,), generator=generator) for n in (11, 3, 27, 6)]
+    steps = [Segment(torch.randint(3, 90, (n,), generator=generator), None, n, parents)
+             for n, parents in ((9, None), (1, None), (4, None), (5, [-1, 0, 0, 1, 1]))]
+
+    def run(indices):
+        caches = {i: model.new_cache(48) for i in indices}
+        prompted = model.forward_batch([Segment(prompts[i], caches[i], 1) for i in indices], (1, 3))
+        stepped = model.forward_batch([Segment(steps[i].tokens, caches[i], steps[i].num_logits, steps[i].parents)
+                                       for i in indices], (2,))
+        return {i: (a.logits, a.taps, b.logits, b.taps, caches[i]) for i, a, b in zip(indices, prompted, stepped)}
+
+    batched = run(range(4))
+    for i in range(4):
+        *outputs, cache = run([i])[i]
+        *batched_outputs, batched_cache = batched[i]
+        assert all(torch.equal(ours, alone) for ours, alone in zip(batched_outputs, outputs))
+        assert batched_cache.length == cache.length
+        assert torch.equal(batched_cache.k[:, :, : cache.length], cache.k[:, :, : cache.length])
+        assert torch.equal(batched_cache.v[:, :, : cache.length], cache.v[:, :, : cache.length])
+
+
 def test_a_finished_sequence_cannot_take_another_step(tiny_llama):
     engine = build(tiny_llama, "ar")
     sequence = engine.add(Request([5, 6], 1))
