@@ -37,11 +37,17 @@ static inline __mmask16 live_lanes(int64_t left) {  /* the first min(left, 16) l
     return left >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
 }
 
+/* 16 cached float16 values as float32 (exact: every float16 is a float32) */
 __attribute__((target("avx512f")))
-static inline float dot512(const float *a, const float *b, int64_t d) {
-    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
+static inline __m512 load_half(const uint16_t *x) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)x));
+}
+
+__attribute__((target("avx512f")))
+static inline float dot512(const float *a, const uint16_t *b, int64_t d) {
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), load_half(b));
     for (int64_t i = LANES; i < d; i += LANES)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load_half(b + i), acc);
     return _mm512_reduce_add_ps(acc);
 }
 
@@ -54,7 +60,7 @@ static inline float dot512(const float *a, const float *b, int64_t d) {
    k/v [capacity, D] -> out[count] [D]. p holds count * stride floats, stride >= n_keys rounded up to 16. Each
    head's arithmetic is what it would be alone. */
 __attribute__((target("avx512f")))
-static void attend_heads(const float *const *q, int64_t count, const float *k, const float *v, const int32_t *slots,
+static void attend_heads(const float *const *q, int64_t count, const uint16_t *k, const uint16_t *v, const int32_t *slots,
                          int64_t n_keys, int64_t d, float scale, float *p, int64_t stride, float *const *out) {
     for (int64_t n = 0; n < n_keys; n++)
         for (int64_t h = 0; h < count; h++) p[h * stride + n] = dot512(q[h], k + slots[n] * d, d) * scale;
@@ -82,10 +88,10 @@ static void attend_heads(const float *const *q, int64_t count, const float *k, c
         for (int64_t h = 0; h < QUERIES; h++)
             for (int64_t c = 0; c < 4; c++) acc[h][c] = _mm512_setzero_ps();
         for (int64_t n = 0; n < n_keys; n++) {
-            const float *row = v + slots[n] * d + i;
+            const uint16_t *row = v + slots[n] * d + i;
             __m512 values[4];
             #pragma GCC unroll 4
-            for (int64_t c = 0; c < 4; c++) values[c] = c < width ? _mm512_loadu_ps(row + c * LANES) : _mm512_setzero_ps();
+            for (int64_t c = 0; c < 4; c++) values[c] = c < width ? load_half(row + c * LANES) : _mm512_setzero_ps();
             #pragma GCC unroll 4
             for (int64_t h = 0; h < QUERIES; h++) {
                 if (h >= count) break;
@@ -102,15 +108,22 @@ static void attend_heads(const float *const *q, int64_t count, const float *k, c
 }
 
 /* The keys (RoPE applied) and values of `rows` new tokens into a layer's cache k/v [kv_heads, capacity, D] at
-   slots cached..cached+rows-1; head g of row r at k_new[r * k_row + g * k_head] (v_new likewise). */
+   slots cached..cached+rows-1, rounded to float16 (to nearest); head g of row r at k_new[r * k_row + g * k_head]
+   (v_new likewise). */
+__attribute__((target("avx512f")))
 void store_keys_values(const float *k_new, int64_t k_row, int64_t k_head, const float *v_new, int64_t v_row,
-                       int64_t v_head, const float *cos, const float *sin, float *k, float *v, int64_t capacity,
+                       int64_t v_head, const float *cos, const float *sin, uint16_t *k, uint16_t *v, int64_t capacity,
                        int64_t kv_heads, int64_t d, int64_t cached, int64_t rows) {
+    float rotated[d];
     for (int64_t r = 0; r < rows; r++)
         for (int64_t g = 0; g < kv_heads; g++) {
             const int64_t slot = (g * capacity + cached + r) * d;
-            rope(k_new + r * k_row + g * k_head, cos + r * d, sin + r * d, d, k + slot);
-            memcpy(v + slot, v_new + r * v_row + g * v_head, d * sizeof(float));
+            rope(k_new + r * k_row + g * k_head, cos + r * d, sin + r * d, d, rotated);
+            for (int64_t i = 0; i < d; i += LANES) {
+                _mm256_storeu_si256((__m256i *)(k + slot + i), _mm512_cvtps_ph(_mm512_loadu_ps(rotated + i), ROUND_HALF));
+                _mm256_storeu_si256((__m256i *)(v + slot + i),
+                                    _mm512_cvtps_ph(_mm512_loadu_ps(v_new + r * v_row + g * v_head + i), ROUND_HALF));
+            }
         }
 }
 
@@ -202,7 +215,7 @@ int attention_segments(const float *q, int64_t q_row, int64_t q_head, const floa
    [rows, cached] or NULL (every cached slot). */
 int attention_rows(const float *q, int64_t q_row, int64_t q_head, const float *k_new, int64_t k_row, int64_t k_head,
                    const float *v_new, int64_t v_row, int64_t v_head, const float *cos, const float *sin,
-                   float *k, float *v, int64_t capacity, int64_t heads, int64_t kv_heads, int64_t d, int64_t cached,
+                   uint16_t *k, uint16_t *v, int64_t capacity, int64_t heads, int64_t kv_heads, int64_t d, int64_t cached,
                    int64_t rows, const uint8_t *visible, const uint8_t *cached_visible, float *out) {
     const segment one = {k, v, capacity, cached, rows, visible, cached_visible};
     return attention_segments(q, q_row, q_head, k_new, k_row, k_head, v_new, v_row, v_head, cos, sin, &one, 1, 0,

@@ -158,7 +158,7 @@ int decoder_layers(const layer_weights *layers, const model_shape *shape, float 
    rows' queries are never used. 0 on success, -1 for shapes it does not take, -2 when memory runs out. */
 int dflash_context(const layer_weights *layers, const model_shape *shape, const int8_weight *fc,
                    const float *hidden_norm, const float *features, int64_t rows, const float *cos, const float *sin,
-                   float *k, float *v, int64_t capacity, int64_t cached) {
+                   uint16_t *k, uint16_t *v, int64_t capacity, int64_t cached) {
     __builtin_cpu_init();
     const int64_t H = shape->hidden, D = shape->head_dim, heads = shape->heads, kv = shape->kv_heads;
     if (!__builtin_cpu_supports("avx512vnni") || !shape_ok(fc, H, fc->k) || fc->k % BLOCK || H % BLOCK

@@ -15,12 +15,15 @@
 void int8_product(const float *x, int64_t rows, int64_t k, const uint8_t *q4, const uint8_t *q8, const float *scale,
                   const float *minimum, int64_t n_out, float *y, int8_t *qx, float *dx, float *sx);
 
+/* The caches hold keys and values as float16 bits (half the bytes to read a step; attention.c), rounded to nearest. */
+#define ROUND_HALF (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+
 void store_keys_values(const float *k_new, int64_t k_row, int64_t k_head, const float *v_new, int64_t v_row,
-                       int64_t v_head, const float *cos, const float *sin, float *k, float *v, int64_t capacity,
+                       int64_t v_head, const float *cos, const float *sin, uint16_t *k, uint16_t *v, int64_t capacity,
                        int64_t kv_heads, int64_t d, int64_t cached, int64_t rows);
 
 typedef struct {  /* one sequence's new rows, laid end to end with the others' */
-    float *k, *v;  /* its cache, [layers, kv_heads, capacity, D] each */
+    uint16_t *k, *v;  /* its cache, [layers, kv_heads, capacity, D] each, float16 */
     int64_t capacity, cached, rows;
     const uint8_t *visible;  /* [rows, rows]: the new tokens each new token sees (attention.c) */
     const uint8_t *cached_visible;  /* [rows, cached]: the cached slots each sees, or NULL: all (attention.c) */
@@ -33,7 +36,7 @@ int attention_segments(const float *q, int64_t q_row, int64_t q_head, const floa
 
 int attention_rows(const float *q, int64_t q_row, int64_t q_head, const float *k_new, int64_t k_row, int64_t k_head,
                    const float *v_new, int64_t v_row, int64_t v_head, const float *cos, const float *sin,
-                   float *k, float *v, int64_t capacity, int64_t heads, int64_t kv_heads, int64_t d, int64_t cached,
+                   uint16_t *k, uint16_t *v, int64_t capacity, int64_t heads, int64_t kv_heads, int64_t d, int64_t cached,
                    int64_t rows, const uint8_t *visible, const uint8_t *cached_visible, float *out);
 
 /* exp(x) for x <= 0: Cephes' expf, a range reduction by ln 2 and its polynomial (tests hold the

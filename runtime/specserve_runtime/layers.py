@@ -313,8 +313,9 @@ class Attention(nn.Module):
         return apply_rope(k, cos, sin), v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
-        """Queries [1, heads, T, D] over keys/values [1, kv_heads, S, D] -> attended values [1, heads, T, D]."""
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        """Queries [1, heads, T, D] over keys/values [1, kv_heads, S, D] -> attended values [1, heads, T, D].
+        Keys and values read from a cache of decoder.c's float16 (native.CACHE_DTYPE) attend in the queries' dtype."""
+        return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, enable_gqa=True)
 
     def project_out(self, attended: torch.Tensor) -> torch.Tensor:
         """Attended values [1, heads, T, D] -> [T, H]."""

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from . import blockquant
+from . import blockquant, native
 from .errors import ModelError
 from .kv_cache import KVCache
 from .layers import (
@@ -169,9 +169,14 @@ class Transformer(nn.Module):
         """What its matrix products multiply the weights by: "int8" rows (decoder.c's layers) or "float32"."""
         return "int8" if self.native_layers is not None else "float32"
 
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """Its caches' keys and values: decoder.c's float16 where its layers run in C, else its weights' dtype."""
+        return native.cache_dtype(self.native_layers, self.lm_head.weight.dtype)
+
     def new_cache(self, capacity: int) -> KVCache:
         cfg = self.config
-        return KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity, self.lm_head.weight.dtype)
+        return KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity, self.cache_dtype)
 
     def forward(
         self,

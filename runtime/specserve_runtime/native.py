@@ -17,6 +17,19 @@ from .blockquant import Int8Blocks
 from .kv_cache import KVCache
 
 pointer, size = ctypes.c_void_p, ctypes.c_int64
+# The caches the C layers read and write hold keys and values as float16: a step of many sequences, or of one
+# over a long prefix, is bound by reading them (docs/benchmarks.md, "Keys and values in float16").
+CACHE_DTYPE = torch.float16
+
+
+def cache_dtype(layers: "NativeLayers | None", otherwise: torch.dtype = torch.float32) -> torch.dtype:
+    """The dtype of the caches that `layers` read and write: CACHE_DTYPE for decoder.c's, `otherwise` for torch's."""
+    return CACHE_DTYPE if layers is not None else otherwise
+
+
+def check_cache(cache: KVCache) -> None:
+    if cache.k.dtype != CACHE_DTYPE or cache.v.dtype != CACHE_DTYPE:
+        raise ValueError(f"decoder.c's caches hold {CACHE_DTYPE}, not {cache.k.dtype}")
 
 
 class Int8Weight(ctypes.Structure):  # decoder.c's int8_weight
@@ -87,6 +100,7 @@ class NativeLayers:
                                  f"{rows.dtype} {tuple(rows.shape)}")
         masks = []  # as bytes, kept alive through the call
         for cache, visible, cached_visible in batch:
+            check_cache(cache)
             cache.check_room(visible.shape[0])
             masks.append([mask.to(torch.uint8).contiguous() if mask is not None else None
                           for mask in (visible, cached_visible)])
@@ -109,6 +123,7 @@ class NativeLayers:
         """A DFlash drafter's context (decoder.c's dflash_context): features [T, k] of T newly committed tokens ->
         fc, hidden_norm, then each layer's keys (RoPE at cos/sin [T, D]) and values into the cache after its
         length, which the caller advances."""
+        check_cache(cache)
         cache.check_room(features.shape[0])
         features = features.contiguous()
         status = blockquant.library().dflash_context(

@@ -21,6 +21,7 @@ from specserve_runtime.drafters.dflash import (
 )
 from specserve_runtime.kv_cache import KVCache
 from specserve_runtime.model import load_target
+from specserve_runtime.native import CACHE_DTYPE
 
 from .conftest import save_tiny_hf_model
 
@@ -215,7 +216,8 @@ def test_drafting_in_c_layers_computes_what_the_torch_layers_compute(tiny_llama)
 
     def draft(layers):
         drafter.native_layers = layers
-        caches = [KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, n + cfg.block_size) for n in (11, 5)]
+        caches = [KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, n + cfg.block_size,
+                          CACHE_DTYPE) for n in (11, 5)]  # decoder.c's; the torch layers read them back as float32
         drafter.project_context([(caches[0], taps[:7]), (caches[1], taps[:5])])
         drafter.project_context([(caches[0], taps[7:11])])
         return caches, drafter.draft_hidden(tiny_llama.embed_tokens(blocks), caches)

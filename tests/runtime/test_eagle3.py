@@ -10,6 +10,7 @@ from specserve_runtime import blockquant
 from specserve_runtime.drafters import ProposerOptions, build_proposer
 from specserve_runtime.drafters.eagle3 import DraftsBestFirst, Eagle3Config, Eagle3Drafter, save_eagle3
 from specserve_runtime.kv_cache import KVCache
+from specserve_runtime.native import CACHE_DTYPE, cache_dtype
 from specserve_runtime.verify import DraftTree
 
 SHARPEN = 2.0
@@ -31,7 +32,7 @@ def log_probs_after(proposer, tokens, taps, branch: tuple[int, ...]) -> list[flo
     """The drafter's log-probabilities for the token after `branch`, on a cache of its own that holds
     the context and that branch only: what a tree's draft must see, without any mask."""
     drafter, target = proposer.drafter, proposer.target
-    cache = KVCache(1, drafter.config.num_key_value_heads, drafter.config.head_dim, 64)
+    cache = KVCache(1, drafter.config.num_key_value_heads, drafter.config.head_dim, 64, cache_dtype(drafter.native_layers))
     with torch.inference_mode():
         hidden = drafter(target.embed_tokens(torch.tensor(tokens[1:])), drafter.fc(taps), [cache], [CONTEXT])[-1:]
         for token in branch:
@@ -118,7 +119,7 @@ def test_drafting_in_c_layers_computes_what_the_torch_layer_computes(tiny_llama)
 
     def draft(layers):
         drafter.native_layers = layers
-        cache = KVCache(1, drafter.config.num_key_value_heads, drafter.config.head_dim, 64)
+        cache = KVCache(1, drafter.config.num_key_value_heads, drafter.config.head_dim, 64, CACHE_DTYPE)  # decoder.c's
         with torch.inference_mode():
             context = drafter(target.embed_tokens(torch.tensor(tokens[1:])), drafter.fc(taps), [cache], [CONTEXT])
             reads = []
@@ -142,7 +143,7 @@ def test_drafting_in_c_layers_computes_what_the_torch_layer_computes(tiny_llama)
                                    atol=0.05 * theirs.abs().max().item())
     # The second sibling, its first sibling's slot masked, computes what it computes read first: the same keys.
     drafter.native_layers = native
-    alone = KVCache(1, drafter.config.num_key_value_heads, drafter.config.head_dim, 64)
+    alone = KVCache(1, drafter.config.num_key_value_heads, drafter.config.head_dim, 64, CACHE_DTYPE)
     with torch.inference_mode():
         context = drafter(target.embed_tokens(torch.tensor(tokens[1:])), drafter.fc(taps), [alone], [CONTEXT])
         first = drafter(target.embed_tokens(torch.tensor([7])), context[-1:], [alone], [1], torch.tensor([CONTEXT]))

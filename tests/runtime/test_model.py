@@ -11,6 +11,7 @@ from specserve_runtime.errors import ModelError
 from specserve_runtime.kv_cache import KVCache
 from specserve_runtime.layers import RotaryEmbedding, apply_rope, causal_mask, tree_mask
 from specserve_runtime.model import Segment, load_target
+from specserve_runtime.native import CACHE_DTYPE
 from specserve_runtime.verify import tree_depths
 
 from .conftest import load_with_target_int8, save_tiny_blocks_model, save_tiny_hf_model
@@ -239,7 +240,8 @@ def test_native_layers_compute_what_the_torch_layers_compute(tmp_path, model_typ
 
     def run(native_layers):
         model.native_layers = native_layers
-        caches = [model.new_cache(32), model.new_cache(32)]
+        cfg = model.config  # both on decoder.c's float16 caches: the torch layers read them back as float32
+        caches = [KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 32, CACHE_DTYPE) for _ in range(2)]
         prompted = model.forward_batch([Segment(p, c, 1) for p, c in zip(prompts, caches)], tap_layers=(0, 3, 5))
         verified = model.forward_batch([Segment(tree, caches[0], 6, [-1, 0, 0, 1, 2, 2]),
                                         Segment(chain, caches[1], 3)], tap_layers=(2,))
@@ -258,9 +260,9 @@ def test_native_layers_compute_what_the_torch_layers_compute(tmp_path, model_typ
 
 
 def attention_rows(q, k, v, cos, sin, cache_k, cache_v, cached, visible):
-    """attention.c's kernel, as decoder.c calls it for each layer and segment: q [T, heads, D], k and v
-    [T, kv_heads, D] before RoPE (cos/sin [T, D]) into one layer's cache [kv_heads, capacity, D] after `cached`
-    slots; visible [T, T] -> [T, heads * D]."""
+    """attention.c's kernel for one sequence (decoder.c calls it for all of a batch's at once): q [T, heads, D],
+    k and v [T, kv_heads, D] before RoPE (cos/sin [T, D]) into one layer's float16 cache [kv_heads, capacity, D]
+    after `cached` slots; visible [T, T] -> [T, heads * D]."""
     kernel = blockquant.library().attention_rows
     kernel.restype = ctypes.c_int
     pointer, size = ctypes.c_void_p, ctypes.c_int64
@@ -286,7 +288,8 @@ def test_row_exact_attention_is_attention_and_each_row_computes_alone(head_dim, 
     capacity, cached = 40, 21
     parents = [-1, 0, 0, 1, 2, 2]
     rows = len(parents)
-    cache_k, cache_v = torch.randn(kv_heads, capacity, head_dim), torch.randn(kv_heads, capacity, head_dim)
+    cache_k = torch.randn(kv_heads, capacity, head_dim).to(CACHE_DTYPE)
+    cache_v = torch.randn(kv_heads, capacity, head_dim).to(CACHE_DTYPE)
     q, k, v = torch.randn(rows, heads, head_dim), torch.randn(rows, kv_heads, head_dim), torch.randn(rows, kv_heads, head_dim)
     cos, sin = RotaryEmbedding(head_dim, 10000.0)(cached - 1 + torch.tensor(tree_depths(parents)))
     written_k, written_v = cache_k.clone(), cache_v.clone()
@@ -295,11 +298,12 @@ def test_row_exact_attention_is_attention_and_each_row_computes_alone(head_dim, 
     def heads_first(x):
         return x.transpose(0, 1).unsqueeze(0)  # [T, heads, D] -> [1, heads, T, D]
 
-    torch.testing.assert_close(written_k[:, cached : cached + rows], apply_rope(heads_first(k), cos, sin)[0])
-    assert torch.equal(written_v[:, cached : cached + rows], v.transpose(0, 1))
+    # The new keys and values are stored rounded to float16, to nearest.
+    assert torch.equal(written_k[:, cached : cached + rows], apply_rope(heads_first(k), cos, sin)[0].to(CACHE_DTYPE))
+    assert torch.equal(written_v[:, cached : cached + rows], v.transpose(0, 1).to(CACHE_DTYPE))
     assert torch.equal(written_k[:, :cached], cache_k[:, :cached]) and torch.equal(written_k[:, cached + rows :], cache_k[:, cached + rows :])
     mask = tree_mask(parents, cached)
-    keys, values = written_k[None, :, : cached + rows], written_v[None, :, : cached + rows]
+    keys, values = written_k[None, :, : cached + rows].float(), written_v[None, :, : cached + rows].float()
     expected = F.scaled_dot_product_attention(apply_rope(heads_first(q), cos, sin), keys, values, attn_mask=mask, enable_gqa=True)
     torch.testing.assert_close(out, expected[0].transpose(0, 1).reshape(rows, -1), rtol=1e-5, atol=1e-5)
     for row in range(rows):
@@ -331,7 +335,10 @@ def test_native_layers_refuse_rows_they_cannot_take(tiny_llama_int8):
         tiny_llama_int8.native_layers.run(x, tables, tables, [(cache, torch.ones(2, 2, dtype=torch.bool).tril(), None)])
     with pytest.raises(ValueError, match=r"contiguous float32 rows of 64, not torch.float32 \(3, 64\)"):
         tiny_llama_int8.native_layers.run(torch.randn(64, 3).T, tables, tables, [(cache, torch.ones(3, 3, dtype=torch.bool), None)])
-    assert cache.length == 0 and not cache.k.any()
+    wide = KVCache(cache.k.shape[0], cache.k.shape[1], cache.k.shape[3], 8)  # float32: not what the C layers read
+    with pytest.raises(ValueError, match="decoder.c's caches hold torch.float16, not torch.float32"):
+        tiny_llama_int8.native_layers.run(x, tables, tables, [(wide, torch.ones(3, 3, dtype=torch.bool).tril(), None)])
+    assert cache.length == 0 and not cache.k.any() and cache.k.dtype == CACHE_DTYPE and not wide.k.any()
 
 
 def test_a_bad_target_int8_switch_is_refused_by_name(tiny_llama_blocks_dir, monkeypatch):

@@ -295,15 +295,17 @@ def test_target_features_are_computed_once_per_shard_and_again_when_their_file_i
     features = TargetFeatures(tiny_llama, distilling.read_shards(folder), (1, 3, 5), log)
     assert len(computed()) == 2 and len(features) == 2 and features[0].shape == (3, 3 * 64)
 
-    # Features of the other arithmetic (here: a file that says the int8 target computed them) are not these.
+    # Features of the other arithmetic (a file that says the int8 target computed them, or one with float16 keys and
+    # values in its caches) are not these.
     cache = folder / "taps-1-3-5" / "shard-00000.safetensors"
     with safe_open(cache, "pt") as handle:
         metadata, tensors = handle.metadata(), {key: handle.get_tensor(key) for key in handle.keys()}
-    assert metadata["target_activations"] == "float32"
-    save_file(tensors, cache, metadata={**metadata, "target_activations": "int8"})
-    messages.clear()
-    TargetFeatures(tiny_llama, distilling.read_shards(folder), (1, 3, 5), log)
-    assert [m.split(":")[0] for m in computed()] == ["target features for shard-00000.jsonl"]
+    assert (metadata["target_activations"], metadata["target_cache"]) == ("float32", "float32")
+    for other in ({"target_activations": "int8"}, {"target_cache": "float16"}):
+        save_file(tensors, cache, metadata={**metadata, **other})
+        messages.clear()
+        TargetFeatures(tiny_llama, distilling.read_shards(folder), (1, 3, 5), log)
+        assert [m.split(":")[0] for m in computed()] == ["target features for shard-00000.jsonl"]
 
 
 def test_a_downloaded_wheel_is_found_by_its_package_name(tmp_path):

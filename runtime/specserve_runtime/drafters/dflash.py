@@ -300,7 +300,8 @@ class DFlashProposer(ModelProposer):
 
     def begin(self, capacity: int) -> None:
         cfg = self.drafter.config  # room for a block after the context (DFlashDrafter.draft_hidden)
-        self.context_cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity + cfg.block_size)
+        self.context_cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                                     capacity + cfg.block_size, native.cache_dtype(self.drafter.native_layers))
         self.pending = []
 
     @torch.inference_mode()

@@ -211,7 +211,7 @@ class Eagle3Proposer(ModelProposer):
 
     def begin(self, capacity: int) -> None:
         cfg = self.drafter.config
-        self.cache = KVCache(1, cfg.num_key_value_heads, cfg.head_dim, capacity)
+        self.cache = KVCache(1, cfg.num_key_value_heads, cfg.head_dim, capacity, native.cache_dtype(self.drafter.native_layers))
         self.pending, self.num_context = [], 0
 
     @torch.inference_mode()

@@ -93,14 +93,15 @@ class TargetFeatures:
     Computed once per tap set, beside the data, and read lazily from memory-mapped files: the
     features of a 2M-token set (~9 GB) need not fit in memory. A file that does not match its shard
     (truncated, or computed from an earlier version of the shard) or the target's arithmetic (int8
-    or float32 activations: their features differ in the last bits) is computed again.
+    or float32 activations, float16 or float32 keys and values: their features differ in the last bits)
+    is computed again.
     """
 
     def __init__(self, target: Transformer, shards: list[tuple[Path, list[dict]]], layers: tuple[int, ...], log):
         caches = [path.parent / f"taps-{'-'.join(map(str, layers))}" / path.with_suffix(".safetensors").name
                   for path, _ in shards]
-        metadata = [{"shard_sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "target_activations": target.activations}
-                    for path, _ in shards]
+        metadata = [{"shard_sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "target_activations": target.activations,
+                     "target_cache": str(target.cache_dtype).removeprefix("torch.")} for path, _ in shards]
         self.handles = [self._open(cache, expected, len(records))
                         for cache, expected, (_, records) in zip(caches, metadata, shards, strict=True)]
         missing = [index for index, handle in enumerate(self.handles) if handle is None]
