@@ -9,7 +9,10 @@
    the same keys in the same order as a one-token step: its bits do not depend on the other rows.
 
    It also does what comes before attention on the new tokens' rows, RoPE on queries and keys and the
-   keys' and values' writes into the cache, in one call instead of a dozen small torch operations.
+   keys' and values' writes into the cache, in one call instead of a dozen small torch operations. The cache
+   holds them as float16 (rounded to nearest when stored, widened exactly when read; the arithmetic is
+   float32): a step of many sequences, or over a long prefix, is bound by reading it. A new row's own key is
+   stored before any row reads it, so it reads the same rounded key a one-token step later reads from the cache.
 
    The keys a row sees: the `cached` slots 0..cached-1 of its layer's cache (those cached_visible[row]
    allows, where it is given: an EAGLE-3 draft tree's other branches sit in its drafter's cache),
