@@ -2,6 +2,7 @@
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,6 +136,37 @@ def write_distilled(folder, sequences):
     lines = [json.dumps({"prompt_ids": s[:5], "response_ids": s[5:]}) for s in sequences]
     (folder / "shard-00000.jsonl").write_text("\n".join(lines) + "\n")
     return str(folder)
+
+
+def test_a_run_killed_while_it_saves_keeps_its_last_whole_checkpoint(tiny_llama, tmp_path, monkeypatch):
+    """Killed halfway through writing the step-4 checkpoint: the step-2 one is still there, whole, and the rerun
+    resumes from it and finishes."""
+    from specserve_runtime.training import train as training
+
+    generator = torch.Generator().manual_seed(9)
+    sequences = [torch.randint(0, 95, (30,), generator=generator).tolist() for _ in range(6)]
+    settings = dict(method="eagle3", data=write_distilled(tmp_path / "data", sequences[:4]),
+                    eval_data=write_distilled(tmp_path / "eval", sequences[4:]), steps=4, warmup=1, depth=2,
+                    draft_vocab_size=48, eval_every=4, eval_sequences=2, checkpoint_every=2, out=str(tmp_path / "run"))
+    state_file = tmp_path / "run" / "train-state.pt"
+    real_save, saves = torch.save, []
+
+    def killed_on_the_second_save(obj, path):
+        saves.append(path)
+        if len(saves) == 2:
+            Path(path).write_bytes(b"half a checkpoint")
+            raise KeyboardInterrupt
+        real_save(obj, path)
+
+    monkeypatch.setattr(torch, "save", killed_on_the_second_save)
+    with pytest.raises(KeyboardInterrupt):
+        training.train(training.TrainConfig(**settings), tiny_llama, 95, log=lambda message: None)
+    monkeypatch.undo()
+    assert torch.load(state_file, weights_only=False)["step"] == 2
+    messages = []
+    summary = training.train(training.TrainConfig(**settings), tiny_llama, 95, log=messages.append)
+    assert "resuming eagle3 training at step 2" in messages
+    assert [h["step"] for h in summary["history"]] == [4] and torch.load(state_file, weights_only=False)["step"] == 4
 
 
 @pytest.mark.parametrize("method", ["dflash", "eagle3"])

@@ -417,11 +417,14 @@ def train(cfg: TrainConfig, target: Transformer, mask_token_id: int, log=print) 
                        f"({categories}), accuracy {held_out['accuracy']:.3f}, loss {held_out['loss']:.3f}")
             progress.write(message, file=sys.stderr)  # beside the bar: stdout carries only the result
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+            # Written beside the last checkpoint, then renamed over it: a run killed while saving keeps the last whole one.
+            partial = state_file.with_name(state_file.name + ".partial")
             torch.save(
                 {"config": asdict(cfg), "step": done, "drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(),
                  "generator": generator.get_state(), "history": history, "seconds": seconds},
-                state_file,
+                partial,
             )
+            partial.replace(state_file)
     drafter.eval().requires_grad_(False)
     (save_dflash if cfg.method == "dflash" else save_eagle3)(drafter, out / "drafter", dtype=torch.float16)
     summary = {"config": asdict(cfg), "train_seconds": round(seconds, 1), "history": history}
