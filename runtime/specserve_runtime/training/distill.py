@@ -28,6 +28,7 @@ import torch
 
 from ..engine import Engine, Request
 from ..loader import build_engine, load_model
+from ..store import write_atomically
 from .prompts import PROMPTS_FILE, read_prompts
 
 SHARD_SIZE = 128
@@ -104,12 +105,12 @@ def distill(
         lines = [json.dumps({**record, "prompt_ids": prompt, "response_ids": response})
                  for record, prompt, response in zip(shard, prompts, responses)]
         text = "\n".join(lines) + "\n"
-        _write_atomically(path, text)  # a shard is complete or absent
+        write_atomically(path, lambda partial: partial.write_text(text))  # a shard is complete or absent
         manifest["shards"][name] = {"records": len(lines), "sha256": _sha256(text.encode())}
         if source_sha256 is not None:  # a continuation is of one version of its source shard
             manifest["shards"][name]["source_sha256"] = source_sha256
         manifest["response_tokens"] = manifest.get("response_tokens", 0) + shard_tokens
-        _write_atomically(out_dir / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+        write_atomically(out_dir / MANIFEST, lambda partial: partial.write_text(json.dumps(manifest, indent=1) + "\n"))
     progress.close()
     if generated:
         wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
@@ -160,12 +161,6 @@ def greedy_responses(engine: Engine, prompts: list[list[int]], max_new_tokens: i
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    partial.rename(path)
 
 
 def _open_manifest(out_dir: Path, settings: dict) -> dict:

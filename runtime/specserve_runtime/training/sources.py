@@ -23,7 +23,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..store import cache_root, download_wheel, wheel_in
+from ..store import cache_root, download_wheel, wheel_in, write_atomically
 from .prompts import build_prompts
 
 VERSION = "v2"
@@ -224,9 +224,7 @@ def write_prompt_set(path: Path, name: str = VERSION, log=print) -> dict:
     records = PROMPT_SETS[name](source_files(log))
     text = "".join(json.dumps(r) + "\n" for r in records)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
-    partial.write_text(text)
-    partial.rename(path)
+    write_atomically(path, lambda partial: partial.write_text(text))
     manifest = {"version": name, "records": len(records), "sha256": _digest(text), "counts": summary(records),
                 "sources": [{"name": s.name, "wheel": s.wheel, "member": s.member, "licence": s.licence} for s in SOURCES]}
     path.with_suffix(".manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")

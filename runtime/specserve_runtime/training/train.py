@@ -24,6 +24,7 @@ from ..drafters.eagle3 import DEFAULT_TOKENS as EAGLE3_DEFAULT_TOKENS
 from ..drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Proposer, feature_layer_ids, load_eagle3, save_eagle3
 from ..drafters.vocab import DraftHead, draft_token_ids, frequency_ranked, set_draft_vocab
 from ..model import Transformer
+from ..store import write_atomically
 from .distill import read_shards
 from .recipes import dflash_loss, eagle3_loss, engine_walk, proposer_accepted
 
@@ -134,9 +135,7 @@ class TargetFeatures:
             out = target(tokens, target.new_cache(tokens.shape[0]), tap_layers=layers, last_logits_only=True)
             taps[str(number)] = out.taps.half().contiguous()
         cache.parent.mkdir(exist_ok=True)
-        partial = cache.with_name(cache.name + ".partial")  # a file that is there is whole
-        save_file(taps, partial, metadata=metadata)
-        partial.rename(cache)
+        write_atomically(cache, lambda partial: save_file(taps, partial, metadata=metadata))  # a file that is there is whole
         return safe_open(cache, "pt")
 
     @staticmethod
@@ -417,14 +416,10 @@ def train(cfg: TrainConfig, target: Transformer, mask_token_id: int, log=print) 
                        f"({categories}), accuracy {held_out['accuracy']:.3f}, loss {held_out['loss']:.3f}")
             progress.write(message, file=sys.stderr)  # beside the bar: stdout carries only the result
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-            # Written beside the last checkpoint, then renamed over it: a run killed while saving keeps the last whole one.
-            partial = state_file.with_name(state_file.name + ".partial")
-            torch.save(
-                {"config": asdict(cfg), "step": done, "drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(),
-                 "generator": generator.get_state(), "history": history, "seconds": seconds},
-                partial,
-            )
-            partial.replace(state_file)
+            state = {"config": asdict(cfg), "step": done, "drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(),
+                     "generator": generator.get_state(), "history": history, "seconds": seconds}
+            # a run killed while saving keeps its last whole checkpoint
+            write_atomically(state_file, lambda partial: torch.save(state, partial))
     drafter.eval().requires_grad_(False)
     (save_dflash if cfg.method == "dflash" else save_eagle3)(drafter, out / "drafter", dtype=torch.float16)
     summary = {"config": asdict(cfg), "train_seconds": round(seconds, 1), "history": history}
