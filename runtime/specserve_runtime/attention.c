@@ -22,8 +22,9 @@
    not its slot, decides every summation order below.
 
    Per (row, head): scores s_n = q . k_n / sqrt(D), each a dot product of 16-lane partial sums
-   reduced in one fixed order; p_n = exp(s_n - max s); out = sum_n p_n v_n / sum_n p_n, summed
-   in list order (16 lanes over n for the denominator, lanes over D for the numerator). The query
+   reduced in one fixed order (a halving tree, as GCC's _mm512_reduce_add_ps sums; eight keys' trees run
+   side by side in the same registers, sum_tree8); p_n = exp(s_n - max s); out = sum_n p_n v_n / sum_n p_n,
+   summed in list order (16 lanes over n for the denominator, lanes over D for the numerator). The query
    heads that share a key head run side by side (attend_heads), each with exactly its own arithmetic,
    so the cache is read once per key head, not once per query head. AVX-512 only: the target's int8
    products, which need it, run on AVX-512 VNNI. */
@@ -46,12 +47,42 @@ static inline __m512 load_half(const uint16_t *x) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)x));
 }
 
+/* The sum of a vector's 16 lanes as a halving tree: lane i + lane i + 8, then i + 4, i + 2, i + 1 (GCC's
+   _mm512_reduce_add_ps, written out so that sum_tree8 is its exact twin whichever compiler builds this). */
+__attribute__((target("avx512f")))
+static inline float sum_tree(__m512 a) {
+    const __m256 eight = _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)), _mm512_castps512_ps256(a));
+    const __m128 four = _mm_add_ps(_mm256_extractf128_ps(eight, 1), _mm256_castps256_ps128(eight));
+    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(two) + _mm_cvtss_f32(_mm_shuffle_ps(two, two, 1));
+}
+
+/* sum_tree of a[0..7], each sum its own tree's bits, for eight vectors at once: every level adds the same
+   lane pairs as sum_tree, for two, four, then eight vectors in one register. Key j's scores at lane j. */
+__attribute__((target("avx512f")))
+static inline __m256 sum_tree8(const __m512 a[8]) {
+    __m512 halves[4], quarters[2];
+    for (int j = 0; j < 4; j++)  /* lanes i + 8 and i of a[2j] (lanes 0-7) and of a[2j + 1] (lanes 8-15) */
+        halves[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)),
+                                  _mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)));
+    for (int j = 0; j < 2; j++)  /* i + 4 and i within each 8: 128-bit lane m holds vector 4j + m's four */
+        quarters[j] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * j], halves[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)),
+                                    _mm512_shuffle_f32x4(halves[2 * j], halves[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)));
+    /* i and i + 2: 128-bit lane m holds vector m's two, then vector m + 4's two */
+    const __m512 pairs = _mm512_add_ps(_mm512_shuffle_ps(quarters[0], quarters[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                       _mm512_shuffle_ps(quarters[0], quarters[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* 0 and 1: vector m's sum at lane 4m, vector m + 4's at 4m + 2 */
+    const __m512 sums = _mm512_add_ps(pairs, _mm512_permute_ps(pairs, _MM_SHUFFLE(2, 3, 0, 1)));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, sums));
+}
+
 __attribute__((target("avx512f")))
 static inline float dot512(const float *a, const uint16_t *b, int64_t d) {
     __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), load_half(b));
     for (int64_t i = LANES; i < d; i += LANES)
         acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load_half(b + i), acc);
-    return _mm512_reduce_add_ps(acc);
+    return sum_tree(acc);
 }
 
 /* Up to QUERIES query heads at a time read each key and value row of their (shared) key head once: a step of a
@@ -65,7 +96,24 @@ static inline float dot512(const float *a, const uint16_t *b, int64_t d) {
 __attribute__((target("avx512f")))
 static void attend_heads(const float *const *q, int64_t count, const uint16_t *k, const uint16_t *v, const int32_t *slots,
                          int64_t n_keys, int64_t d, float scale, float *p, int64_t stride, float *const *out) {
-    for (int64_t n = 0; n < n_keys; n++)
+    /* Scores eight keys at a time: their rows widened once into `keys` for every head, each head's eight dot
+       products (dot512's arithmetic) summed side by side (sum_tree8); the last few keys one by one (dot512). */
+    float keys[8 * d];
+    int64_t n = 0;
+    for (; n + 8 <= n_keys; n += 8) {
+        for (int64_t j = 0; j < 8; j++)
+            for (int64_t i = 0; i < d; i += LANES) _mm512_storeu_ps(keys + j * d + i, load_half(k + slots[n + j] * d + i));
+        for (int64_t h = 0; h < count; h++) {
+            __m512 acc[8];
+            for (int64_t j = 0; j < 8; j++) acc[j] = _mm512_mul_ps(_mm512_loadu_ps(q[h]), _mm512_loadu_ps(keys + j * d));
+            for (int64_t i = LANES; i < d; i += LANES) {
+                const __m512 query = _mm512_loadu_ps(q[h] + i);
+                for (int64_t j = 0; j < 8; j++) acc[j] = _mm512_fmadd_ps(query, _mm512_loadu_ps(keys + j * d + i), acc[j]);
+            }
+            _mm256_storeu_ps(p + h * stride + n, _mm256_mul_ps(sum_tree8(acc), _mm256_set1_ps(scale)));
+        }
+    }
+    for (; n < n_keys; n++)
         for (int64_t h = 0; h < count; h++) p[h * stride + n] = dot512(q[h], k + slots[n] * d, d) * scale;
     float inverse[QUERIES];
     for (int64_t h = 0; h < count; h++) {

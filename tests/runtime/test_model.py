@@ -315,6 +315,31 @@ def test_row_exact_attention_is_attention_and_each_row_computes_alone(head_dim, 
         assert torch.equal(alone[0], out[row])
 
 
+@needs_vnni
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("n_keys", [8, 9, 13, 16, 23])
+def test_keys_scored_eight_at_a_time_score_as_one_alone(n_keys, seed):
+    """attention.c scores keys eight at a time and the last few one by one: every key the same vector, each
+    score is the same bits either way, so every weight is exactly 1 and the output is the values' mean,
+    summed in list order. A block's halving tree that added other lanes than a lone key's would give the
+    eight-key scores other last bits than the tail's."""
+    torch.manual_seed(seed)
+    heads, kv_heads, head_dim = 9, 3, 64
+    key = torch.randn(kv_heads, 1, head_dim) * 4
+    cache_k = key.expand(kv_heads, n_keys + 1, head_dim).to(CACHE_DTYPE).contiguous()
+    cache_v = torch.randn(kv_heads, n_keys + 1, head_dim).to(CACHE_DTYPE)
+    q, k, v = torch.randn(1, heads, head_dim) * 4, torch.randn(1, kv_heads, head_dim), torch.randn(1, kv_heads, head_dim)
+    cos, sin = RotaryEmbedding(head_dim, 10000.0)(torch.tensor([n_keys]))
+    # The new row does not see itself: its keys are the n_keys cached ones alone.
+    out = attention_rows(q, k, v, cos, sin, cache_k, cache_v, n_keys, torch.zeros(1, 1, dtype=torch.bool))
+    total = torch.zeros(kv_heads, head_dim)
+    for n in range(n_keys):
+        total = total + cache_v[:, n].float()
+    mean = total * (torch.tensor(1.0) / n_keys)
+    expected = mean.repeat_interleave(heads // kv_heads, dim=0).reshape(-1)
+    assert torch.equal(out[0], expected)
+
+
 def test_a_forward_past_the_cache_is_refused_and_leaves_it_as_it_was(tiny_target):
     cache = tiny_target.new_cache(8)
     tiny_target(torch.tensor([5, 17, 42, 8, 3]), cache)
