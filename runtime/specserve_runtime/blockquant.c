@@ -179,46 +179,69 @@ static inline __m512i four_inputs(const int8_t *q) {  /* q[0..3] in every int32 
     return _mm512_set1_epi32(word);
 }
 
+/* One tile of the product: the 16 outputs of group g by `tile` rows from r0 (1 to TILE512). `tile` is a constant
+   where it is inlined (linear512_int8), so that every accumulator stays in a register and no instruction tests
+   how many rows there are: that made a one-row step of the target 0.8x the time of a loop over a tile's rows
+   counted at run time, and 4 to 12 rows 0.8-0.85x (docs/benchmarks.md, "Tiles of a known size"). */
+__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline))
+static inline void int8_tile(const int tile, const int8_t *qx, const float *dx, const float *sx, int64_t r0, int64_t k,
+                             const uint8_t *q4, const uint8_t *q8, const float *scale, const float *minimum, int64_t g,
+                             int64_t n_out, float *y) {
+    const int64_t blocks = k / BLOCK;
+    __m512 acc[TILE512];
+    for (int r = 0; r < tile; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t at = g * blocks + b;
+        __m512i dot[TILE512];
+        for (int r = 0; r < tile; r++) dot[r] = _mm512_setzero_si512();
+        if (q4) {
+            for (int64_t c = 0; c < 4; c++) {  /* low nibbles: inputs 8c..8c+3, high nibbles: 8c+4..8c+7 */
+                const __m512i bytes = _mm512_loadu_si512(q4 + (at * 4 + c) * 64);
+                const __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi8(15));
+                const __m512i high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), _mm512_set1_epi8(15));
+                for (int r = 0; r < tile; r++) {
+                    const int8_t *xr = qx + (r0 + r) * k + b * BLOCK + 8 * c;
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], low, four_inputs(xr));
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], high, four_inputs(xr + 4));
+                }
+            }
+        } else {
+            for (int64_t c = 0; c < 8; c++) {
+                const __m512i bytes = _mm512_loadu_si512(q8 + (at * 8 + c) * 64);
+                for (int r = 0; r < tile; r++)
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], bytes, four_inputs(qx + (r0 + r) * k + b * BLOCK + 4 * c));
+            }
+        }
+        const __m512 d = _mm512_loadu_ps(scale + at * GROUP);
+        const __m512 mn = q4 ? _mm512_loadu_ps(minimum + at * GROUP) : _mm512_mul_ps(d, _mm512_set1_ps(-128.0f));
+        for (int r = 0; r < tile; r++) {  /* this block's share, in one fixed order for every row */
+            const int64_t row = r0 + r;
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(d, _mm512_set1_ps(dx[row * blocks + b])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sx[row * blocks + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < tile; r++) _mm512_storeu_ps(y + (r0 + r) * n_out + g * GROUP, acc[r]);
+}
+
+#define INT8_TILE(tile) int8_tile(tile, qx, dx, sx, r0, k, q4, q8, scale, minimum, g, n_out, y)
+
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static void linear512_int8(const int8_t *qx, const float *dx, const float *sx, int64_t rows, int64_t k,
                            const uint8_t *q4, const uint8_t *q8, const float *scale, const float *minimum,
                            int64_t n_out, float *y) {
-    const int64_t blocks = k / BLOCK, chunks = q4 ? 4 : 8;
     #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < n_out / GROUP; g++) {
         for (int64_t r0 = 0; r0 < rows; r0 += TILE512) {
-            const int tile = rows - r0 < TILE512 ? (int)(rows - r0) : TILE512;
-            __m512 acc[TILE512];
-            for (int r = 0; r < tile; r++) acc[r] = _mm512_setzero_ps();
-            for (int64_t b = 0; b < blocks; b++) {
-                const int64_t at = g * blocks + b;
-                const __m512 d = _mm512_loadu_ps(scale + at * GROUP);
-                const __m512 mn = q4 ? _mm512_loadu_ps(minimum + at * GROUP) : _mm512_mul_ps(d, _mm512_set1_ps(-128.0f));
-                __m512i dot[TILE512];
-                for (int r = 0; r < tile; r++) dot[r] = _mm512_setzero_si512();
-                for (int64_t c = 0; c < chunks; c++) {
-                    if (q4) {  /* low nibbles: inputs 8c..8c+3, high nibbles: 8c+4..8c+7 */
-                        const __m512i bytes = _mm512_loadu_si512(q4 + (at * 4 + c) * 64);
-                        const __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi8(15));
-                        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), _mm512_set1_epi8(15));
-                        for (int r = 0; r < tile; r++) {
-                            const int8_t *xr = qx + (r0 + r) * k + b * BLOCK + 8 * c;
-                            dot[r] = _mm512_dpbusd_epi32(dot[r], low, four_inputs(xr));
-                            dot[r] = _mm512_dpbusd_epi32(dot[r], high, four_inputs(xr + 4));
-                        }
-                    } else {
-                        const __m512i bytes = _mm512_loadu_si512(q8 + (at * 8 + c) * 64);
-                        for (int r = 0; r < tile; r++)
-                            dot[r] = _mm512_dpbusd_epi32(dot[r], bytes, four_inputs(qx + (r0 + r) * k + b * BLOCK + 4 * c));
-                    }
-                }
-                for (int r = 0; r < tile; r++) {  /* this block's share, in one fixed order for every row */
-                    const int64_t row = r0 + r;
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(d, _mm512_set1_ps(dx[row * blocks + b])), acc[r]);
-                    acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sx[row * blocks + b]), acc[r]);
-                }
+            switch (rows - r0 < TILE512 ? rows - r0 : TILE512) {
+                case 1: INT8_TILE(1); break;
+                case 2: INT8_TILE(2); break;
+                case 3: INT8_TILE(3); break;
+                case 4: INT8_TILE(4); break;
+                case 5: INT8_TILE(5); break;
+                case 6: INT8_TILE(6); break;
+                case 7: INT8_TILE(7); break;
+                default: INT8_TILE(8);
             }
-            for (int r = 0; r < tile; r++) _mm512_storeu_ps(y + (r0 + r) * n_out + g * GROUP, acc[r]);
         }
     }
 }

@@ -254,7 +254,7 @@ class DFlashDrafter(nn.Module):
         # values go into the cache's slots after the context, which the cache's length never covers: the next
         # context projection overwrites them.
         cos, sin = self.rotary(positions)
-        x = block_embeds.contiguous()
+        x = block_embeds.clone()  # decoder.c works in place; the caller keeps its embeddings
         everything = torch.ones(block_size, block_size, dtype=torch.bool)
         self.native_layers.run(x, cos, sin, [(cache, everything, None) for cache in caches])
         return self.norm(x)

@@ -1,0 +1,97 @@
+"""One-off measurement: two builds of blockquant.c (attention.c and decoder.c as in the tree) in one process, on
+what a decode step runs: the target's forward of 1, 4, 8 and 12 new rows after 300 cached positions (its layers
+in decoder.c, the taps, the LM head), and a DFlash drafting step (the bundled drafter's block of 8 through its
+layers, and its head on 3 rows), each drafting step timed right after a 4-row verify forward so that the caches
+hold what they hold in a real step. Interleaved in rounds; medians.
+
+Run: git show REV:runtime/specserve_runtime/blockquant.c > /tmp/before.c
+     .venv/bin/python docs/experiments/kernels_ab.py /tmp/before.c runtime/specserve_runtime/blockquant.c
+(results in docs/benchmarks.md, "Tiles of a known size")
+"""
+
+import copy
+import ctypes
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "runtime"))
+from specserve_runtime import blockquant  # noqa: E402
+
+KERNELS = Path(blockquant.__file__).parent
+ROUNDS, CALLS, ROWS, PREFIX = 15, 20, (1, 4, 8, 12), 300
+
+
+def build(blockquant_c: str, folder: str, name: str, like: ctypes.CDLL) -> ctypes.CDLL:
+    library = Path(folder) / f"{name}.so"
+    subprocess.run(["cc", *blockquant.CFLAGS, f"-I{KERNELS}", "-o", str(library), blockquant_c,
+                    str(KERNELS / "attention.c"), str(KERNELS / "decoder.c")], check=True)
+    built = ctypes.CDLL(str(library))
+    for function in ("blockquant_best_isa", "blockquant_linear", "decoder_layers", "dflash_context"):
+        ours, theirs = getattr(built, function), getattr(like, function)
+        ours.restype, ours.argtypes = theirs.restype, theirs.argtypes
+    return built
+
+
+def main(before: str, after: str) -> None:
+    from specserve_runtime.bench import method_spec
+    from specserve_runtime.loader import build_engine, load_model
+    from specserve_runtime.model import Segment
+    from specserve_runtime.store import DEFAULT_MODEL
+
+    with tempfile.TemporaryDirectory() as folder:
+        tree_build = blockquant.library()  # the argument types, set where the engine loads its build
+        builds = {name: build(path, folder, name, tree_build) for name, path in (("before", before), ("after", after))}
+        current = {"build": tree_build}
+        blockquant.library = lambda: current["build"]  # every product and layer call asks for the library anew
+
+        model = load_model(DEFAULT_MODEL)
+        target = model.target
+        cache = target.new_cache(PREFIX + max(ROWS))
+        target.forward(torch.randint(0, target.config.vocab_size, (PREFIX,)), cache)
+        proposer = build_engine(model, *method_spec("dflash")).proposer
+        drafter, taps = proposer.drafter, proposer.tap_layers
+        sequence = copy.copy(proposer)
+        sequence.begin(PREFIX + 64)
+        sequence.extend_context(torch.randn(PREFIX, len(taps) * target.config.hidden_size))
+        proposer._project_context([sequence])
+        block = torch.full((drafter.config.block_size,), drafter.config.mask_token_id)
+        block_embeds = target.embed_tokens(block)
+
+        def verify(rows):
+            cache.length = PREFIX
+            segment = Segment(torch.randint(0, target.config.vocab_size, (rows,)), cache, rows)
+            return target.forward_batch([segment], taps)
+
+        seconds: dict[tuple[str, str], list[float]] = {}
+        outputs = {}
+        for round_ in range(ROUNDS):
+            for name in (("before", "after") if round_ % 2 == 0 else ("after", "before")):
+                current["build"] = builds[name]
+                for rows in ROWS:
+                    verify(rows)
+                    started = time.perf_counter()
+                    for _ in range(CALLS):
+                        verify(rows)
+                    seconds.setdefault((name, f"verify {rows}"), []).append((time.perf_counter() - started) / CALLS)
+                for _ in range(CALLS):
+                    verify(4)
+                    started = time.perf_counter()
+                    hidden = drafter.draft_hidden(block_embeds, [sequence.context_cache])
+                    logits = proposer.head.logits(hidden[1:4])
+                    seconds.setdefault((name, "drafting"), []).append(time.perf_counter() - started)
+                outputs[name] = logits
+        print("| step part | before ms | after ms | after/before |\n|---|---|---|---|")
+        for part in [f"verify {rows}" for rows in ROWS] + ["drafting"]:
+            b, a = (1000 * statistics.median(seconds[(name, part)]) for name in ("before", "after"))
+            print(f"| {part} | {b:.2f} | {a:.2f} | {a / b:.2f} |")
+        print("same draft logits from both builds:", torch.equal(outputs["before"], outputs["after"]))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
