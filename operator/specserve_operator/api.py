@@ -104,6 +104,8 @@ class Speculator(Model):
                 cel("!(self.method in ['dflash', 'eagle3']) || has(self.draftModel)", "dflash and eagle3 need a draftModel"),
                 cel("self.method != 'none' || !has(self.numSpeculativeTokens)", "method none takes no numSpeculativeTokens"),
                 cel("self.method in ['dflash', 'eagle3'] || !has(self.draftTree)", "draftTree is for methods dflash and eagle3"),
+                cel("self.method in ['dflash', 'eagle3'] || !has(self.promptLookup)",
+                    "promptLookup is for methods dflash and eagle3"),
             ]
         }
     )
@@ -118,6 +120,10 @@ class Speculator(Model):
         None, description="dflash, eagle3 on the embedded engine: verify a tree of the drafter's most likely "
         "continuations, numSpeculativeTokens drafts in all; default: the drafter's own operating point"
     )
+    prompt_lookup: int | None = Field(
+        None, ge=0, le=16, description="dflash, eagle3 on the embedded engine: beside the drafts, verify up to this "
+        "many tokens that prompt lookup copies from the sequence, 0 none; default: the drafter's own operating point"
+    )
 
     @model_validator(mode="after")
     def _draft_model_where_needed(self):
@@ -127,7 +133,14 @@ class Speculator(Model):
             raise ValueError("numSpeculativeTokens: not allowed with method none")
         if self.method not in ("dflash", "eagle3") and self.draft_tree is not None:
             raise ValueError(f"draftTree: only a drafter model (dflash, eagle3) drafts a tree; method {self.method} drafts a chain")
+        if self.method not in ("dflash", "eagle3") and self.prompt_lookup is not None:
+            raise ValueError(f"promptLookup: a prompt-lookup branch joins a drafter model's drafts (dflash, eagle3), "
+                             f"not method {self.method}'s")
         return self
+
+    def embedded_only(self) -> list[str]:
+        """Its fields set to what only the embedded engine runs: a draft tree, a prompt-lookup branch."""
+        return ["draftTree"] * bool(self.draft_tree) + ["promptLookup"] * bool(self.prompt_lookup)
 
 
 class Resources(Model):
@@ -258,19 +271,28 @@ def _embedded(runtime: str) -> str:
 
 _CANDIDATE = "self.rollout.candidate"
 TREE_NEEDS_EMBEDDED = "a draftTree needs runtime.engine embedded (on vLLM specserve drafts chains)"
+LOOKUP_NEEDS_EMBEDDED = "a promptLookup branch needs runtime.engine embedded (on vLLM a drafter drafts alone)"
+EMBEDDED_ONLY = {"draftTree": TREE_NEEDS_EMBEDDED, "promptLookup": LOOKUP_NEEDS_EMBEDDED}
+
+
+def _embedded_only_rules(field: str, off: str, message: str) -> list[dict]:
+    """The stable revision's and a candidate's speculator `field` is `off` (false, 0) unless its engine is embedded."""
+    stable, candidate = f"self.speculator.{field}", f"{_CANDIDATE}.speculator.{field}"
+    return [
+        cel(f"!has(self.speculator) || !has({stable}) || {stable} == {off} || {_embedded('self.runtime')}",
+            message, f".speculator.{field}"),
+        cel(f"!has(self.rollout) || !has({candidate}) || {candidate} == {off} || "
+            f"(has({_CANDIDATE}.runtime) && has({_CANDIDATE}.runtime.engine) ? "
+            f"{_CANDIDATE}.runtime.engine == 'embedded' : {_embedded('self.runtime')})",
+            message, f".rollout.candidate.speculator.{field}"),
+    ]
 
 
 class SpeculativeServingSpec(Model):
     model_config = ConfigDict(
         json_schema_extra={
-            "x-kubernetes-validations": [
-                cel(f"!has(self.speculator) || !has(self.speculator.draftTree) || !self.speculator.draftTree || "
-                    f"{_embedded('self.runtime')}", TREE_NEEDS_EMBEDDED, ".speculator.draftTree"),
-                cel(f"!has(self.rollout) || !has({_CANDIDATE}.speculator.draftTree) || !{_CANDIDATE}.speculator.draftTree || "
-                    f"(has({_CANDIDATE}.runtime) && has({_CANDIDATE}.runtime.engine) ? "
-                    f"{_CANDIDATE}.runtime.engine == 'embedded' : {_embedded('self.runtime')})",
-                    TREE_NEEDS_EMBEDDED, ".rollout.candidate.speculator.draftTree"),
-            ]
+            "x-kubernetes-validations": _embedded_only_rules("draftTree", "false", TREE_NEEDS_EMBEDDED)
+            + _embedded_only_rules("promptLookup", "0", LOOKUP_NEEDS_EMBEDDED)
         }
     )
     profile: str = Field(min_length=1, description="a ServingProfile that selects this namespace")
@@ -283,14 +305,14 @@ class SpeculativeServingSpec(Model):
     rollout: Rollout | None = None
 
     @model_validator(mode="after")
-    def _draft_tree_on_the_embedded_engine(self):
-        if self.speculator.draft_tree and self.runtime.engine != "embedded":
-            raise ValueError(f"speculator.draftTree: {TREE_NEEDS_EMBEDDED}")
+    def _embedded_only_on_the_embedded_engine(self):
+        if self.runtime.engine != "embedded":
+            for field in self.speculator.embedded_only():
+                raise ValueError(f"speculator.{field}: {EMBEDDED_ONLY[field]}")
         candidate = self.rollout.candidate if self.rollout else None
-        if candidate and candidate.speculator.draft_tree:
-            engine = (candidate.runtime.engine if candidate.runtime else None) or self.runtime.engine
-            if engine != "embedded":
-                raise ValueError(f"rollout.candidate.speculator.draftTree: {TREE_NEEDS_EMBEDDED}")
+        if candidate and ((candidate.runtime.engine if candidate.runtime else None) or self.runtime.engine) != "embedded":
+            for field in candidate.speculator.embedded_only():
+                raise ValueError(f"rollout.candidate.speculator.{field}: {EMBEDDED_ONLY[field]}")
         return self
 
 

@@ -45,7 +45,7 @@ from pydantic import BaseModel, ValidationError
 
 from . import api  # pydantic only: the decision and measurement modules are imported when a canary runs
 
-SPEC_KEYS = ("method", "draftModel", "numSpeculativeTokens", "draftTree")
+SPEC_KEYS = ("method", "draftModel", "numSpeculativeTokens", "draftTree", "promptLookup")
 SERVING = "canary"  # the `serving` series label of both revisions
 SERVED_NAME = "canary"  # the OpenAI model name both runtimes answer to
 READY_SECONDS = 180  # a runtime or Prometheus not ready by then is a failure
@@ -79,10 +79,12 @@ class LocalSpeculator:
     draft_model: str | None = None
     num_speculative_tokens: int | None = None
     draft_tree: bool | None = None
+    prompt_lookup: int | None = None
 
     def as_dict(self) -> dict:
         fields = {"method": self.method, "draftModel": self.draft_model,
-                  "numSpeculativeTokens": self.num_speculative_tokens, "draftTree": self.draft_tree}
+                  "numSpeculativeTokens": self.num_speculative_tokens, "draftTree": self.draft_tree,
+                  "promptLookup": self.prompt_lookup}
         return {key: value for key, value in fields.items() if value is not None}
 
     @property
@@ -99,6 +101,8 @@ class LocalSpeculator:
             extra.append(f"{count} draft{'s' if count > 1 else ''} per step")
         if self.draft_tree is not None:
             extra.append("a draft tree" if self.draft_tree else "a chain")
+        if self.prompt_lookup is not None:
+            extra.append(f"prompt lookup's copies of up to {self.prompt_lookup}" if self.prompt_lookup else "no copies")
         return self.method + (f" ({', '.join(extra)})" if extra else "")
 
     def serve_arguments(self) -> list[str]:
@@ -109,6 +113,8 @@ class LocalSpeculator:
             arguments += ["--num-speculative-tokens", str(self.num_speculative_tokens)]
         if self.draft_tree is not None:
             arguments.append("--draft-tree" if self.draft_tree else "--no-draft-tree")
+        if self.prompt_lookup is not None:
+            arguments += ["--prompt-lookup", str(self.prompt_lookup)]
         return arguments
 
     def api_speculator(self) -> api.Speculator:
@@ -187,6 +193,11 @@ def parse_speculator(text: str, flag: str) -> LocalSpeculator:
         tree = tree.lower() == "true"
     if tree is not None and not isinstance(tree, bool):
         raise CanaryError(f"{flag}: draftTree: must be true or false, got {tree!r}")
+    lookup = data.get("promptLookup")
+    if lookup is not None:
+        if _integer(lookup) is None:
+            raise CanaryError(f"{flag}: promptLookup: must be an integer, got {lookup!r}")
+        lookup = _integer(lookup)  # its range and its method: the CR's own rules, below
     draft = data.get("draftModel")
     if draft is not None:
         if method not in ("eagle3", "dflash"):
@@ -198,7 +209,7 @@ def parse_speculator(text: str, flag: str) -> LocalSpeculator:
                 raise CanaryError(f"{flag}: draftModel: {draft!r}: no such folder "
                                   "(a drafter checkpoint folder, or random)")
             draft = str(folder.resolve())
-    speculator = LocalSpeculator(method, draft, tokens, tree)
+    speculator = LocalSpeculator(method, draft, tokens, tree, lookup)
     try:
         speculator.api_speculator()  # the CR's own rules too (e.g. numSpeculativeTokens <= 64)
     except ValidationError as exc:
@@ -750,7 +761,7 @@ the very code the operator runs (measure, analysis.analyse, rollout.decide), unt
 is Promoted or Aborted, or --timeout-seconds ends it as Inconclusive.
 
 SPEC is a speculator as in the SpeculativeServing CR: a YAML/JSON file with method, draftModel,
-numSpeculativeTokens, draftTree, or inline, e.g. method=dflash,draftModel=PATH,numSpeculativeTokens=3.
+numSpeculativeTokens, draftTree, promptLookup, or inline, e.g. method=dflash,draftModel=PATH,numSpeculativeTokens=3.
 Locally draftModel is a drafter checkpoint folder or `random` (an untrained drafter), and may be
 left out for eagle3/dflash (the bundled trained drafter). method none is plain decoding.
 

@@ -86,9 +86,16 @@ class Settings:
     replica_startup_seconds: float = 120.0
 
 
+# Speculator fields newer than the revisions already running: hashed only where set, so that an operator that
+# knows them gives a revision that does not use them the hash it had, and upgrading the operator rolls no pods.
+HASHED_WHERE_SET = ("prompt_lookup",)
+
+
 def revision_hash(model: api.ModelRef, speculator: api.Speculator, runtime: api.RuntimeSpec) -> str:
     """A short hash of everything that affects the pods: a new value means new pods."""
-    pod_spec = {"model": model.model_dump(), "speculator": speculator.model_dump(), "runtime": runtime.model_dump()}
+    speculator_fields = {name: value for name, value in speculator.model_dump().items()
+                         if value is not None or name not in HASHED_WHERE_SET}
+    pod_spec = {"model": model.model_dump(), "speculator": speculator_fields, "runtime": runtime.model_dump()}
     return hashlib.sha256(json.dumps(pod_spec, sort_keys=True).encode()).hexdigest()[:8]
 
 
@@ -251,6 +258,7 @@ def runtime_config(serving: Serving, revision: Revision) -> RuntimeConfig:
         drafter=drafter_location(speculator.draft_model),
         num_speculative_tokens=speculator.num_speculative_tokens,
         draft_tree=speculator.draft_tree,
+        prompt_lookup=speculator.prompt_lookup,
         engine=revision.runtime.engine,
         engine_args=revision.runtime.args,
         port=DEFAULT_PORT,

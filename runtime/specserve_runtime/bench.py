@@ -137,9 +137,13 @@ def _median_run(run, repeats: int):
 
 def method_spec(name: str) -> tuple[str, ProposerOptions]:
     """'dflash', 'dflash:3' for 3 speculative tokens per step, 'dflash:tree5' for a tree of 5 drafts
-    (the drafter's most likely continuations; eagle3 too), 'dflash@FOLDER' or 'dflash:3@FOLDER' for a drafter other
-    than the bundled one (a training run's drafter/) -> the method and its proposer options."""
+    (the drafter's most likely continuations; eagle3 too), '...+lookup4' with a prompt-lookup branch of up to 4
+    tokens beside them ('+lookup0': none), 'dflash@FOLDER' or 'dflash:3@FOLDER' for a drafter other than the
+    bundled one (a training run's drafter/) -> the method and its proposer options."""
     spec, _, folder = name.partition("@")
+    spec, plus, lookup = spec.partition("+lookup")
+    if plus and not lookup.isdigit():
+        raise ValueError(f"{name!r}: '+lookup' is followed by the prompt-lookup branch's most tokens, an integer >= 0")
     method, _, tokens = spec.partition(":")
     tree = tokens.startswith("tree")
     tokens = tokens.removeprefix("tree")
@@ -148,7 +152,7 @@ def method_spec(name: str) -> tuple[str, ProposerOptions]:
     if "@" in name and not folder:
         raise ValueError(f"{name!r}: a drafter folder follows '@'")
     return method, ProposerOptions(drafter=folder or None, num_speculative_tokens=int(tokens) if tokens else None,
-                                   draft_tree=True if tree else None)
+                                   draft_tree=True if tree else None, prompt_lookup=int(lookup) if plus else None)
 
 
 def run_bench(model: LoadedModel, methods: list[str], baselines: list[Baseline], prompts: list[dict],

@@ -19,6 +19,9 @@ DRAFT_TREE_HELP = ("dflash, eagle3: verify a tree of the drafter's most likely c
                    "drafts in all, instead of a chain of its top guesses")
 OPERATING_POINT_HELP = (DRAFT_TREE_HELP + "; --no-draft-tree: a chain (default: the drafter's recorded operating "
                         "point without --num-speculative-tokens, a chain with it)")
+PROMPT_LOOKUP_HELP = ("dflash, eagle3: beside the drafts, verify up to N tokens that prompt lookup copies from the "
+                      "sequence so far, 0 none (default: the drafter's recorded operating point without "
+                      "--num-speculative-tokens, none with it)")
 
 
 class UsageError(Exception):
@@ -91,7 +94,7 @@ def cmd_generate(args) -> None:
     sampling = SamplingParams(temperature=args.temperature)
     model = load_model(args.model)
     engine = build_engine(model, args.method, ProposerOptions(args.drafter, num_tokens, seed=args.seed,
-                                                              draft_tree=args.draft_tree))
+                                                              draft_tree=args.draft_tree, prompt_lookup=args.prompt_lookup))
     for index, prompt in enumerate(prompts):
         request = Request(model.encode(prompt, raw=args.raw), args.max_new_tokens, sampling, args.seed)
         result = engine.generate(request)
@@ -259,6 +262,7 @@ def cmd_serve(args) -> None:
         args.model, args.method, args.port = config.model, config.method, config.port
         args.drafter, args.served_model_name = config.drafter, config.served_name
         args.num_speculative_tokens, args.draft_tree = config.num_speculative_tokens, config.draft_tree
+        args.prompt_lookup = config.prompt_lookup
     run_embedded_server(args)
 
 
@@ -274,7 +278,8 @@ def run_embedded_server(args) -> None:
 
     def load():  # in the engine's thread (server/app.py, Worker)
         model = load_model(args.model)
-        options = ProposerOptions(args.drafter, args.num_speculative_tokens, draft_tree=args.draft_tree)
+        options = ProposerOptions(args.drafter, args.num_speculative_tokens, draft_tree=args.draft_tree,
+                                  prompt_lookup=args.prompt_lookup)
         return model, build_engine(model, method, options,
                                    args.max_num_batched_tokens, adaptive=args.speculation == "adaptive")
 
@@ -479,6 +484,7 @@ def build_parser() -> Parser:
     gen.add_argument("--block-size", type=int, help="dflash: tokens per drafted block (last token + B-1 masks)")
     gen.add_argument("--num-speculative-tokens", type=int, help="draft tokens per step")
     gen.add_argument("--draft-tree", action=argparse.BooleanOptionalAction, help=OPERATING_POINT_HELP)
+    gen.add_argument("--prompt-lookup", type=int, metavar="N", help=PROMPT_LOOKUP_HELP)
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one user message")
     source.add_argument("--prompts-file", help='JSONL file, one object with a "prompt" field per line')
@@ -495,6 +501,7 @@ def build_parser() -> Parser:
     serve.add_argument("--drafter", help="drafter checkpoint folder, or 'random'")
     serve.add_argument("--num-speculative-tokens", type=int)
     serve.add_argument("--draft-tree", action=argparse.BooleanOptionalAction, help=OPERATING_POINT_HELP)
+    serve.add_argument("--prompt-lookup", type=int, metavar="N", help=PROMPT_LOOKUP_HELP)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", help="the OpenAI model name clients send (default: the model's name)")

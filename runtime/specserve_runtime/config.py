@@ -31,6 +31,8 @@ class RuntimeConfig(BaseModel):
     drafter: str | None = None
     num_speculative_tokens: int | None = Field(None, ge=1, le=64)
     draft_tree: bool | None = Field(None, description="dflash or eagle3, embedded engine: a draft tree (None: the drafter's default)")
+    prompt_lookup: int | None = Field(None, ge=0, le=16, description="dflash or eagle3, embedded engine: the most tokens "
+                                      "a prompt-lookup branch beside the drafts copies, 0 none (None: the drafter's default)")
     engine: Literal["vllm", "embedded"] = "embedded"
     engine_args: list[str] = []
     port: int = Field(DEFAULT_PORT, ge=1, le=65535)

@@ -22,7 +22,7 @@ import torch
 
 from .adaptive import DraftLengthChooser
 from .config import DEFAULT_TOKEN_BUDGET
-from .drafters import Proposer, propose_all
+from .drafters import MAX_PROMPT_LOOKUP, Proposer, propose_all
 from .kv_cache import KVCache
 from .model import Segment, Transformer
 from .verify import DraftTree, SamplingParams, accept, position_uniforms, target_tokens
@@ -144,8 +144,9 @@ class Engine:
 
     def add(self, request: Request, stats: Result | None = None) -> Sequence:
         """A new sequence, ready to join the next step; `stats`, if given, is filled as it runs."""
-        # Room for the prompt, every new token and one block of drafts past the last one.
-        capacity = len(request.prompt_ids) + request.max_new_tokens + 64
+        # Room for the prompt, every new token and one step's drafts past the last one: a block, or a tree and the
+        # copy prompt lookup adds beside it.
+        capacity = len(request.prompt_ids) + request.max_new_tokens + 64 + MAX_PROMPT_LOOKUP
         proposer = copy.copy(self.proposer)  # shares the drafter's weights; begin() gives it fresh state
         proposer.begin(capacity)
         return Sequence(request, stats or Result.empty(request), StopChecker(self.tokenizer, self.eos_ids, request),

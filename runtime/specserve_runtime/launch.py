@@ -40,6 +40,8 @@ def speculative_config(config: RuntimeConfig) -> dict | None:
         return None
     if config.draft_tree:
         raise ValueError("draftTree: on vLLM specserve drafts chains; a draft tree runs on the embedded engine")
+    if config.prompt_lookup:
+        raise ValueError("promptLookup: on vLLM a drafter drafts alone; a prompt-lookup branch runs on the embedded engine")
     tokens = config.num_speculative_tokens or default_speculative_tokens(config)
     if config.method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": tokens, "prompt_lookup_max": 4, "prompt_lookup_min": 2}

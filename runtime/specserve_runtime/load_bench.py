@@ -219,10 +219,12 @@ class LocalServer:
 
 
 def serve_arguments(name: str) -> list[str]:
-    """A bench method ('dflash', 'dflash:3', 'dflash:3@FOLDER') as `specserve serve` flags."""
+    """A bench method ('dflash', 'dflash:3', 'dflash:tree3+lookup4@FOLDER') as `specserve serve` flags."""
     method, options = method_spec(name)
     tokens = options.num_speculative_tokens
     return (["--method", method] + (["--num-speculative-tokens", str(tokens)] if tokens else [])
+            + (["--draft-tree"] if options.draft_tree else [])
+            + (["--prompt-lookup", str(options.prompt_lookup)] if options.prompt_lookup is not None else [])
             + (["--drafter", options.drafter] if options.drafter else []))
 
 

@@ -55,6 +55,20 @@ class DraftTree:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def with_branch(self, chain: list[int]) -> "DraftTree":
+        """This tree and `chain` as one more branch from the root: the chain's tokens follow the tree's
+        nodes as far as they agree (a shared prefix is verified once), then hang below as new nodes."""
+        tokens, parents = list(self.tokens), list(self.parents)
+        children = {(parent, token): index for index, (token, parent) in enumerate(zip(tokens, parents))}
+        node = -1
+        for token in chain:
+            if (node, token) not in children:
+                tokens.append(token)
+                parents.append(node)
+                children[(node, token)] = len(tokens) - 1
+            node = children[(node, token)]
+        return DraftTree(tokens, parents)
+
     def accepted(self, target_token: Callable[[int], int | None]) -> list[int]:
         """The drafts accepted, root first, when the target's token after row r (0: the committed
         tokens, 1 + i: draft i) is target_token(r): from the root, move to the child that holds the

@@ -67,6 +67,9 @@ def run_cli(capsys, prompts_file, *extra, stable="method=none", candidate="metho
     ("method=ngram,draftModel=random", "draftModel"),
     ("method=dflash,draftTree=yes", "draftTree"),
     ("method=ngram,draftTree=true", "draftTree"),  # the API's own rule: a tree needs a drafter model
+    ("method=dflash,promptLookup=some", "promptLookup"),
+    ("method=dflash,promptLookup=17", "promptLookup"),  # the API's own bound
+    ("method=ngram,promptLookup=4", "promptLookup"),  # ... and rule: the branch joins a drafter model's drafts
     ("dflash", "--candidate"),
 ])
 def test_bad_inline_spec_names_the_field(capsys, prompts_file, nothing_starts, candidate, field):
@@ -109,6 +112,10 @@ def test_spec_file_and_inline_give_the_same_speculator_and_revision(tmp_path):
     assert tree.api_speculator().draft_tree is True and tree.revision != canary.parse_speculator(
         "method=dflash,numSpeculativeTokens=6", "-").revision
     assert canary.parse_speculator("method=dflash,draftTree=False", "-").serve_arguments()[-1] == "--no-draft-tree"
+    copies = canary.parse_speculator("method=dflash,promptLookup=4", "--candidate")
+    assert copies.serve_arguments()[-2:] == ["--prompt-lookup", "4"] and copies.api_speculator().prompt_lookup == 4
+    assert copies.revision != canary.parse_speculator("method=dflash", "-").revision
+    assert "copies of up to 4" in copies.describe()
 
 
 def test_same_speculator_on_both_sides_is_refused(capsys, prompts_file, nothing_starts):

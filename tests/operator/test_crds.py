@@ -121,6 +121,9 @@ def _evaluate_cel(spec: dict) -> list[str]:
         (lambda s: (s["runtime"].__setitem__("engine", "embedded"), s["rollout"]["candidate"].update(
             speculator={"method": "dflash", "draftModel": "bundled://smollm2-135m-instruct-dflash", "draftTree": True},
             runtime={"engine": "vllm"})), api.TREE_NEEDS_EMBEDDED),
+        (lambda s: s.__setitem__("speculator", {"method": "ngram", "promptLookup": 0}), "promptLookup is for methods dflash and eagle3"),
+        (lambda s: s["speculator"].__setitem__("promptLookup", 4), api.LOOKUP_NEEDS_EMBEDDED),
+        (lambda s: s["rollout"]["candidate"]["speculator"].__setitem__("promptLookup", 4), api.LOOKUP_NEEDS_EMBEDDED),
     ],
 )
 def test_cel_rules_and_model_validators_reject_the_same_specs(example_documents, mutate, message):
@@ -131,10 +134,12 @@ def test_cel_rules_and_model_validators_reject_the_same_specs(example_documents,
     assert parse_serving(serving)[1], "the operator's own validation rejects it too"
 
 
-def test_a_draft_tree_is_accepted_where_the_engine_is_embedded(example_documents):
+def test_a_draft_tree_and_a_lookup_branch_are_accepted_where_the_engine_is_embedded(example_documents):
     serving = copy.deepcopy(next(d for d in example_documents if d["kind"] == "SpeculativeServing"))
+    serving["spec"]["speculator"]["promptLookup"] = 0  # none: vLLM runs that
     candidate = serving["spec"]["rollout"]["candidate"]
     candidate["speculator"]["draftTree"], candidate["runtime"] = True, {"engine": "embedded"}  # stable stays on vLLM
+    candidate["speculator"]["promptLookup"] = 4
     assert _evaluate_cel(serving["spec"]) == [] and parse_serving(serving)[1] == []
     serving["spec"]["speculator"] = candidate["speculator"]
     serving["spec"]["runtime"]["engine"] = "embedded"

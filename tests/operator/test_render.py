@@ -10,6 +10,7 @@ from specserve_operator.commands import RenderError, render_file
 from specserve_operator.render import (
     Settings,
     Traffic,
+    candidate_hash,
     candidate_runtime,
     pods_to_keep,
     render_all,
@@ -194,6 +195,16 @@ def test_revision_hash_follows_the_pod_affecting_spec_only(example_documents):
     assert revision_hash(spec.model, changed, spec.runtime) != base
     image = spec.runtime.model_copy(update={"image": "registry.example.com/specserve-runtime:0.2.0"})
     assert revision_hash(spec.model, spec.speculator, image) != base
+    copies = spec.speculator.model_copy(update={"prompt_lookup": 0})
+    assert revision_hash(spec.model, copies, spec.runtime) != base
+
+
+def test_an_operator_that_knows_newer_speculator_fields_gives_a_revision_without_them_its_old_hash(example_documents):
+    """promptLookup came after these revisions were running: unset, the example's revisions keep the hashes the
+    operator before it gave them (so upgrading the operator rolls no pods)."""
+    serving, _, _ = parsed(example_documents)
+    spec = serving.spec
+    assert (revision_hash(spec.model, spec.speculator, spec.runtime), candidate_hash(spec)) == ("613bee42", "108ba90e")
 
 
 def test_a_bundled_drafter_renders_to_the_folder_inside_the_runtime_image_and_the_image_follows_the_engine(example_documents):
@@ -219,22 +230,24 @@ def test_a_bundled_drafter_renders_to_the_folder_inside_the_runtime_image_and_th
     assert any("draftModel" in problem for problem in problems)
 
 
-def test_a_draft_tree_renders_into_the_runtime_configuration_as_its_own_revision(example_documents):
+@pytest.mark.parametrize("field, values", [("draftTree", (True, False)), ("promptLookup", (4, 0))])
+def test_an_embedded_engine_option_renders_into_the_runtime_configuration_as_its_own_revision(example_documents, field,
+                                                                                             values):
     documents = copy.deepcopy(example_documents)
     serving_doc = next(d for d in documents if d["kind"] == "SpeculativeServing")
     speculator = {"method": "dflash", "draftModel": "bundled://smollm2-135m-instruct-dflash", "numSpeculativeTokens": 6}
     serving_doc["spec"].update(speculator=speculator, runtime={"engine": "embedded"})
     serving_doc["spec"].pop("rollout", None)
     configs = {}
-    for tree in (None, True, False):
-        speculator.pop("draftTree", None)
-        if tree is not None:
-            speculator["draftTree"] = tree
+    for value in (None, *values):
+        speculator.pop(field, None)
+        if value is not None:
+            speculator[field] = value
         serving, profile, _ = parsed(documents)
         (config_map,) = of_kind(render_all(serving, profile), "ConfigMap")
-        configs[tree] = (config_map["metadata"]["name"], yaml.safe_load(config_map["data"]["runtime.yaml"]))
-    assert "draftTree" not in configs[None][1]
-    assert configs[True][1]["draftTree"] is True and configs[False][1]["draftTree"] is False
+        configs[value] = (config_map["metadata"]["name"], yaml.safe_load(config_map["data"]["runtime.yaml"]))
+    assert field not in configs[None][1]  # the drafter's own operating point
+    assert all(configs[value][1][field] == value for value in values)
     assert len({name for name, _ in configs.values()}) == 3  # each a revision of its own
 
 

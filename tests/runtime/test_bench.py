@@ -299,6 +299,8 @@ def test_a_bench_variant_becomes_serve_flags():
     assert serve_arguments("dflash:3") == ["--method", "dflash", "--num-speculative-tokens", "3"]
     assert serve_arguments("ar") == ["--method", "ar"]
     assert serve_arguments("eagle3@runs/b/drafter") == ["--method", "eagle3", "--drafter", "runs/b/drafter"]
+    assert serve_arguments("dflash:tree5+lookup0") == ["--method", "dflash", "--num-speculative-tokens", "5", "--draft-tree",
+                                                       "--prompt-lookup", "0"]
 
 
 @pytest.mark.slow

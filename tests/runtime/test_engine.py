@@ -183,11 +183,11 @@ def _chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
 def _exact_two_token_distribution(target, prompt, params) -> torch.Tensor:
     """p(t1, t2 | prompt) at the given temperature, by enumerating t1."""
     vocab = target.config.vocab_size
-    logits = target(torch.tensor(prompt), target.new_cache(32)).logits[-1]
+    logits = target(torch.tensor(prompt), target.new_cache(len(prompt) + 1)).logits[-1]
     p1 = torch.softmax(logits / params.temperature, dim=-1)
     joint = torch.zeros(vocab, vocab)
     for t1 in range(vocab):
-        next_logits = target(torch.tensor(prompt + [t1]), target.new_cache(32)).logits[-1]
+        next_logits = target(torch.tensor(prompt + [t1]), target.new_cache(len(prompt) + 1)).logits[-1]
         joint[t1] = p1[t1] * torch.softmax(next_logits / params.temperature, dim=-1)
     return joint
 

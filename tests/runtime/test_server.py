@@ -579,25 +579,29 @@ def test_vllm_drafts_a_local_dflash_drafters_whole_block_by_default(tmp_path):
         speculative_config(bundled.model_copy(update={"drafter": str(tmp_path)}))
 
 
-def test_vllm_refuses_a_draft_tree():
+def test_vllm_refuses_a_draft_tree_and_a_prompt_lookup_branch():
     config = RuntimeConfig(model="m", served_name="m", method="dflash", drafter="hf://z-lab/Qwen3-8B-DFlash-b16",
                            draft_tree=True, engine="vllm")
     with pytest.raises(ValueError, match="draftTree: on vLLM specserve drafts chains"):
         vllm_command(config)
+    branch = config.model_copy(update={"draft_tree": None, "prompt_lookup": 4})
+    with pytest.raises(ValueError, match="promptLookup: on vLLM a drafter drafts alone"):
+        vllm_command(branch)
+    assert "--speculative-config" in vllm_command(branch.model_copy(update={"prompt_lookup": 0}))
 
 
 def test_serve_config_passes_every_engine_option(tmp_path, monkeypatch):
     """`specserve serve --config`, the embedded image's command, reads what the operator renders."""
     config = RuntimeConfig(model="SmolLM2-135M-Instruct", served_name="smol", method="dflash", drafter="/opt/d",
-                           num_speculative_tokens=6, draft_tree=True, port=8123)
+                           num_speculative_tokens=6, draft_tree=True, prompt_lookup=4, port=8123)
     (tmp_path / "runtime.yaml").write_text(config.to_yaml())
     served = {}
     monkeypatch.setattr(cli, "run_embedded_server", lambda args: served.update(vars(args)))
     assert cli.main(["serve", "--config", str(tmp_path / "runtime.yaml")]) == 0
     assert {key: served[key] for key in ("model", "method", "drafter", "num_speculative_tokens", "draft_tree",
-                                         "served_model_name", "port")} == {
+                                         "prompt_lookup", "served_model_name", "port")} == {
         "model": "SmolLM2-135M-Instruct", "method": "dflash", "drafter": "/opt/d", "num_speculative_tokens": 6,
-        "draft_tree": True, "served_model_name": "smol", "port": 8123}
+        "draft_tree": True, "prompt_lookup": 4, "served_model_name": "smol", "port": 8123}
 
 
 def test_launch_dry_run_prints_the_exact_command(tmp_path):

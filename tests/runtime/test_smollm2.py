@@ -32,6 +32,10 @@ SPECULATIVE = {
     "dflash-bundled": ProposerOptions(),
     "dflash-bundled-7": ProposerOptions(num_speculative_tokens=7),
     "dflash-bundled-tree8": ProposerOptions(num_speculative_tokens=8, draft_tree=True),
+    # ... with prompt lookup's copy as one more branch of their trees, and without it.
+    "dflash-bundled-lookup": ProposerOptions(prompt_lookup=6),
+    "eagle3-bundled-lookup": ProposerOptions(prompt_lookup=6),
+    "dflash-bundled-nolookup": ProposerOptions(prompt_lookup=0),
 }
 
 
@@ -58,21 +62,21 @@ def test_greedy_speculative_output_is_token_identical_to_ar(smollm2, engines, re
 
 
 def test_bundled_drafters_verify_their_measured_number_of_drafts(engines):
-    for method in ("dflash", "eagle3"):  # config.json's specserve_operating_point: trees of 3
+    for method in ("dflash", "eagle3"):  # config.json's specserve_operating_point: trees of 3, copies of up to 4
         proposer = engines[f"{method}-bundled"].proposer
-        assert (proposer.num_speculative_tokens, proposer.tree) == (3, True)
-    whole_block = engines["dflash-bundled-7"].proposer  # a count on request: a chain, the whole block
-    assert (whole_block.num_speculative_tokens, whole_block.tree) == (7, False)
+        assert (proposer.num_speculative_tokens, proposer.tree, proposer.prompt_lookup) == (3, True, 4)
+    whole_block = engines["dflash-bundled-7"].proposer  # a count on request: a chain, the whole block, no copies
+    assert (whole_block.num_speculative_tokens, whole_block.tree, whole_block.prompt_lookup) == (7, False, 0)
 
 
 
 def test_a_bundled_drafter_given_by_path_runs_at_its_operating_point_too(smollm2, tmp_path):
     """The operator renders `draftModel: bundled://NAME` as the runtime image's copy of the folder
     (BUNDLED_DRAFTERS_DIR/NAME), a --drafter path: the operating point travels in its config.json."""
-    for method, point in [("dflash", (3, True)), ("eagle3", (3, True))]:
+    for method, point in [("dflash", (3, True, 4)), ("eagle3", (3, True, 4))]:
         image_copy = shutil.copytree(DEFAULT_DRAFTERS[method], tmp_path / BUNDLED_DRAFTERS_DIR.lstrip("/") / method)
         proposer = build_proposer(method, smollm2.target, ProposerOptions(str(image_copy)))
-        assert (proposer.num_speculative_tokens, proposer.tree) == point
+        assert (proposer.num_speculative_tokens, proposer.tree, proposer.prompt_lookup) == point
 
 def test_short_answer_stops_at_eos_inside_a_block(smollm2, engines, reference):
     """The short answer ends with <|im_end|> well before max tokens, inside a drafted block."""
@@ -94,6 +98,16 @@ def test_ngram_accepts_drafts_on_repetitive_text(smollm2, engines):
     prompt = "Repeat exactly, five times: the quick brown fox jumps over the lazy dog."
     result = engines["ngram"].generate(Request(smollm2.encode(prompt), 48))
     assert result.acceptance_length > 1.5
+
+
+def test_a_drafters_lookup_branch_commits_copies_its_guesses_miss(smollm2, engines):
+    """Text that repeats itself: prompt lookup's copies are accepted where the drafter's own guesses are not,
+    so the same drafter commits more tokens per step with the branch than without it."""
+    ids = smollm2.encode("Repeat exactly, five times: the quick brown fox jumps over the lazy dog.")
+    with_copies = engines["dflash-bundled-lookup"].generate(Request(ids, 48))
+    without = engines["dflash-bundled-nolookup"].generate(Request(ids, 48))
+    assert with_copies.token_ids == without.token_ids == engines["ar"].generate(Request(ids, 48)).token_ids
+    assert with_copies.acceptance_length > without.acceptance_length + 0.3
 
 
 def test_sampling_is_reproducible_with_a_seed(smollm2, engines):

@@ -14,7 +14,13 @@ from .. import blockquant
 from ..errors import DrafterError
 from ..model import ModelConfig, Transformer
 from ..verify import DraftTree
+from .ngram import PromptLookup
 from .vocab import DraftHead, draft_token_ids
+
+# The prompt-lookup branch of a model drafter's tree copies what followed the last earlier occurrence of the
+# longest suffix of LOOKUP_MIN_NGRAM to LOOKUP_MAX_NGRAM tokens. Shorter matches add rows that are seldom
+# accepted; a longer one is a surer copy (docs/benchmarks.md, "A prompt-lookup branch").
+LOOKUP_MIN_NGRAM, LOOKUP_MAX_NGRAM = 3, 6
 
 
 class Proposer(Protocol):
@@ -50,7 +56,14 @@ def propose_all(prototype: Proposer, work: list[tuple[Proposer, list[int], int]]
         proposals = propose_batch(work)
     else:
         proposals = [proposer.propose(tokens, max_drafts) for proposer, tokens, max_drafts in work]
-    return [drafts if isinstance(drafts, DraftTree) else DraftTree.chain(drafts) for drafts in proposals]
+    trees = [drafts if isinstance(drafts, DraftTree) else DraftTree.chain(drafts) for drafts in proposals]
+    branch = getattr(prototype, "prompt_lookup", 0)
+    if not branch:
+        return trees
+    # A model drafter's tree, and what prompt lookup copies from the sequence so far as one more branch: where
+    # the text repeats itself (code, quotes, lists), a copy runs longer than the drafter's guesses.
+    return [tree.with_branch(proposer.lookup.continuation(tokens, min(branch, max_drafts)))
+            for tree, (proposer, tokens, max_drafts) in zip(trees, work)]
 
 
 def int8_drafting() -> bool:
@@ -62,15 +75,23 @@ def int8_drafting() -> bool:
 
 class ModelProposer:
     """What the drafters with a model (EAGLE-3, DFlash) share: the frozen target whose embedding and
-    LM head they borrow, the drafter, and the target features committed since it last drafted.
-    A subclass creates its per-sequence cache in begin() and drafts in propose_batch()."""
+    LM head they borrow, the drafter, the target features committed since it last drafted, and the
+    prompt-lookup branch added to its drafts (propose_all). A subclass creates its per-sequence cache in
+    begin(), after this class's, and drafts in propose_batch()."""
 
-    def __init__(self, target: Transformer, drafter: torch.nn.Module, num_speculative_tokens: int):
+    def __init__(self, target: Transformer, drafter: torch.nn.Module, num_speculative_tokens: int,
+                 prompt_lookup: int = 0):
         self.target, self.drafter = target, drafter
         self.num_speculative_tokens = num_speculative_tokens
+        self.prompt_lookup = prompt_lookup  # tokens of the prompt-lookup branch at the most (0: none)
         self.tap_layers = drafter.config.target_layer_ids
         self.head = DraftHead.for_inference(target.lm_head, draft_token_ids(drafter), int8_drafting())
         self.pending: list[torch.Tensor] = []
+        self.lookup_ngrams = (LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM)
+        self.lookup: PromptLookup | None = None  # per sequence, made by begin()
+
+    def begin(self, capacity: int) -> None:
+        self.lookup = PromptLookup(*self.lookup_ngrams) if self.prompt_lookup else None
 
     def extend_context(self, taps: torch.Tensor | None) -> None:
         self.pending.append(taps)
@@ -107,6 +128,9 @@ class ProposerOptions:
     # dflash, eagle3: the drafts are the drafter's most likely continuations, a tree, not a chain;
     # None: as the drafter's operating point has it when no count is given, else a chain
     draft_tree: bool | None = None
+    # dflash, eagle3: up to this many tokens that prompt lookup copies from the sequence, as one more branch of
+    # the drafts (0: none); None: as the drafter's operating point has it when no count is given, else none
+    prompt_lookup: int | None = None
 
 
 # Drafters trained by the project for the default target (see each folder's CARD.md).
@@ -122,6 +146,7 @@ class OperatingPoint:
 
     num_speculative_tokens: int
     draft_tree: bool = False
+    prompt_lookup: int = 0  # tokens of a prompt-lookup branch added to the drafts (0: none)
 
 
 def drafter_source(method: str, options: "ProposerOptions") -> str:
@@ -132,6 +157,15 @@ def drafter_source(method: str, options: "ProposerOptions") -> str:
     if not (bundled / "config.json").is_file():
         raise DrafterError(f"no trained {method} drafter is bundled: pass --drafter PATH or --drafter random")
     return str(bundled)
+
+
+MAX_PROMPT_LOOKUP = 16  # a longer copy is verified at the cost of its rows; the engine's caches keep room for it
+
+
+def check_prompt_lookup(tokens, name: str) -> None:
+    if type(tokens) is not int or not 0 <= tokens <= MAX_PROMPT_LOOKUP:
+        raise DrafterError(f"{name} is the most tokens a prompt-lookup branch copies, 0..{MAX_PROMPT_LOOKUP}, "
+                           f"not {tokens!r}")
 
 
 def check_layer_ids(layer_ids: tuple[int, ...], num_target_layers: int) -> None:
@@ -193,4 +227,9 @@ def build_proposer(method: str, target: Transformer, options: ProposerOptions = 
         raise DrafterError(f"num_speculative_tokens must be >= 1, got {options.num_speculative_tokens}")
     if options.draft_tree and method not in ("dflash", "eagle3"):
         raise DrafterError(f"a draft tree needs a drafter model (dflash, eagle3): method {method!r} drafts a chain")
+    if options.prompt_lookup is not None:
+        if options.prompt_lookup and method not in ("dflash", "eagle3"):
+            raise DrafterError(f"a prompt-lookup branch joins the drafts of a drafter model (dflash, eagle3), not of "
+                               f"method {method!r}")
+        check_prompt_lookup(options.prompt_lookup, "prompt_lookup")
     return PROPOSERS[method](target, options)

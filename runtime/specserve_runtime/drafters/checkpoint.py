@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..model import load_state_dict
-from . import DrafterError, OperatingPoint, ProposerOptions
+from . import MAX_PROMPT_LOOKUP, DrafterError, OperatingPoint, ProposerOptions
 
 
 def read_config(folder: str | Path) -> dict:
@@ -27,27 +27,31 @@ OPERATING_POINT_KEY = "specserve_operating_point"
 
 def recorded_operating_point(folder: str) -> OperatingPoint | None:
     """The operating point a drafter's config.json records, e.g. "specserve_operating_point":
-    {"num_speculative_tokens": 4, "draft_tree": true}, if it records one."""
+    {"num_speculative_tokens": 4, "draft_tree": true, "prompt_lookup": 4}, if it records one."""
     recorded = read_config(folder).get(OPERATING_POINT_KEY)
     if recorded is None:
         return None
     fields = recorded if isinstance(recorded, dict) else {}
     count, tree = fields.get("num_speculative_tokens"), fields.get("draft_tree", False)
+    lookup = fields.get("prompt_lookup", 0)
     # type() is: JSON true is not a count, nor 1 a flag.
-    if not fields or set(fields) - {"num_speculative_tokens", "draft_tree"} or type(count) is not int or count < 1 \
-            or type(tree) is not bool:
+    if not fields or set(fields) - {"num_speculative_tokens", "draft_tree", "prompt_lookup"} or type(count) is not int \
+            or count < 1 or type(tree) is not bool or type(lookup) is not int or not 0 <= lookup <= MAX_PROMPT_LOOKUP:
         raise DrafterError(f"drafter {folder}: config.json's {OPERATING_POINT_KEY} must be "
-                           f'{{"num_speculative_tokens": K >= 1, "draft_tree": true|false}}, got {json.dumps(recorded)}')
-    return OperatingPoint(count, tree)
+                           f'{{"num_speculative_tokens": K >= 1, "draft_tree": true|false, '
+                           f'"prompt_lookup": 0..{MAX_PROMPT_LOOKUP} (optional)}}, got {json.dumps(recorded)}')
+    return OperatingPoint(count, tree, lookup)
 
 
 def operating_point(folder: str, options: ProposerOptions, default_count: int) -> OperatingPoint:
-    """What a proposer runs: the user's count and tree where given; without a count, what the
-    drafter records (a count alone asks for a chain); else `default_count` drafts as a chain."""
+    """What a proposer runs: the user's count, tree and prompt-lookup branch where given; without a
+    count, what the drafter records (a count alone asks for a chain and no branch); else `default_count`
+    drafts as a chain."""
     recorded = None if options.num_speculative_tokens or folder == "random" else recorded_operating_point(folder)
     count = options.num_speculative_tokens or (recorded.num_speculative_tokens if recorded else default_count)
     tree = options.draft_tree if options.draft_tree is not None else recorded is not None and recorded.draft_tree
-    return OperatingPoint(count, tree)
+    lookup = options.prompt_lookup if options.prompt_lookup is not None else recorded.prompt_lookup if recorded else 0
+    return OperatingPoint(count, tree, lookup)
 
 
 def load_weights(module: nn.Module, folder: str | Path) -> None:

@@ -292,13 +292,15 @@ def draft_tree(log_probs: torch.Tensor, num_nodes: int) -> DraftTree:
 class DFlashProposer(ModelProposer):
     context_cache: KVCache | None = None  # per sequence: the projected target features, made by begin()
 
-    def __init__(self, target: Transformer, drafter: "DFlashDrafter", num_speculative_tokens: int, tree: bool = False):
+    def __init__(self, target: Transformer, drafter: "DFlashDrafter", num_speculative_tokens: int, tree: bool = False,
+                 prompt_lookup: int = 0):
         """`tree`: draft the `num_speculative_tokens` most likely prefixes of the block (draft_tree),
         not one token per slot."""
-        super().__init__(target, drafter, num_speculative_tokens)
+        super().__init__(target, drafter, num_speculative_tokens, prompt_lookup)
         self.tree = tree
 
     def begin(self, capacity: int) -> None:
+        super().begin(capacity)
         cfg = self.drafter.config  # room for a block after the context (DFlashDrafter.draft_hidden)
         self.context_cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                                      capacity + cfg.block_size, native.cache_dtype(self.drafter.native_layers))
@@ -398,4 +400,4 @@ def build_dflash(target: Transformer, options: ProposerOptions) -> DFlashPropose
     point = checkpoint.operating_point(source, options, max_drafts)
     if point.num_speculative_tokens > max_drafts and not point.draft_tree:  # a tree's drafts spread over the block's slots
         raise DrafterError(f"num_speculative_tokens {point.num_speculative_tokens} exceeds the drafter's block size - 1 ({max_drafts})")
-    return DFlashProposer(target, drafter, point.num_speculative_tokens, point.draft_tree)
+    return DFlashProposer(target, drafter, point.num_speculative_tokens, point.draft_tree, point.prompt_lookup)

@@ -205,11 +205,13 @@ class Eagle3Proposer(ModelProposer):
     cache: KVCache | None = None  # per sequence: the drafter layer's keys/values, made by begin()
     num_context = 0  # drafter positions backed by real target features
 
-    def __init__(self, target: Transformer, drafter: "Eagle3Drafter", num_speculative_tokens: int, tree: bool = False):
-        super().__init__(target, drafter, num_speculative_tokens)
+    def __init__(self, target: Transformer, drafter: "Eagle3Drafter", num_speculative_tokens: int, tree: bool = False,
+                 prompt_lookup: int = 0):
+        super().__init__(target, drafter, num_speculative_tokens, prompt_lookup)
         self.tree = tree  # draft a tree (DraftsBestFirst), the same number of drafter forwards as a chain
 
     def begin(self, capacity: int) -> None:
+        super().begin(capacity)
         cfg = self.drafter.config
         self.cache = KVCache(1, cfg.num_key_value_heads, cfg.head_dim, capacity, native.cache_dtype(self.drafter.native_layers))
         self.pending, self.num_context = [], 0
@@ -287,4 +289,4 @@ def build_eagle3(target: Transformer, options: ProposerOptions) -> Eagle3Propose
     if native.runs([drafter.midlayer], drafter.config.head_dim):
         drafter.native_layers = native.NativeLayers([drafter.midlayer], drafter.config)
     point = checkpoint.operating_point(source, options, DEFAULT_TOKENS)
-    return Eagle3Proposer(target, drafter, point.num_speculative_tokens, point.draft_tree)
+    return Eagle3Proposer(target, drafter, point.num_speculative_tokens, point.draft_tree, point.prompt_lookup)
