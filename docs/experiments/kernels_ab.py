@@ -2,10 +2,13 @@
 what a decode step runs: the target's forward of 1, 4, 8 and 12 new rows after 300 cached positions (its layers
 in decoder.c, the taps, the LM head), and a DFlash drafting step (the bundled drafter's block of 8 through its
 layers, and its head on 3 rows), each drafting step timed right after a 4-row verify forward so that the caches
-hold what they hold in a real step. Interleaved in rounds; medians.
+hold what they hold in a real step. Interleaved in rounds; medians. With --decode N, then whole greedy
+decodes of 3N held-out prompts of set v2 (N a category, 128 new tokens), each prompt by each build in turn,
+plain decoding and the bundled DFlash drafter: the medians of the per-prompt ratios, and whether every output
+is the same.
 
 Run: git show REV:runtime/specserve_runtime/blockquant.c > /tmp/before.c
-     .venv/bin/python docs/experiments/kernels_ab.py /tmp/before.c runtime/specserve_runtime/blockquant.c
+     .venv/bin/python docs/experiments/kernels_ab.py /tmp/before.c runtime/specserve_runtime/blockquant.c [--decode 6]
 (results in docs/benchmarks.md, "Tiles of a known size")
 """
 
@@ -38,7 +41,7 @@ def build(blockquant_c: str, folder: str, name: str, like: ctypes.CDLL) -> ctype
     return built
 
 
-def main(before: str, after: str) -> None:
+def main(before: str, after: str, per_category: int = 0) -> None:
     from specserve_runtime.bench import method_spec
     from specserve_runtime.loader import build_engine, load_model
     from specserve_runtime.model import Segment
@@ -91,7 +94,41 @@ def main(before: str, after: str) -> None:
             b, a = (1000 * statistics.median(seconds[(name, part)]) for name in ("before", "after"))
             print(f"| {part} | {b:.2f} | {a:.2f} | {a / b:.2f} |")
         print("same draft logits from both builds:", torch.equal(outputs["before"], outputs["after"]))
+        if per_category:
+            decode(model, builds, current, per_category)
+
+
+def decode(model, builds, current, per_category: int) -> None:
+    import json
+
+    from specserve_runtime.bench import held_out_sample, method_spec
+    from specserve_runtime.engine import Request
+    from specserve_runtime.loader import build_engine
+    from specserve_runtime.training.sources import default_prompt_set
+
+    records = [json.loads(line) for line in default_prompt_set().read_text().splitlines()]
+    prompts = [model.encode(record["prompt"]) for record in held_out_sample(records, per_category)]
+    methods = ("ar", "dflash")
+    engines = {method: build_engine(model, *method_spec(method)) for method in methods}
+    rates = {(name, method): [] for name in builds for method in methods}
+    outputs = set()
+    for index, prompt in enumerate(prompts):
+        for name in (("before", "after") if index % 2 == 0 else ("after", "before")):
+            current["build"] = builds[name]
+            for method in methods:
+                result = engines[method].generate(Request(prompt, 128))
+                rates[(name, method)].append((len(result.token_ids) - 1) / result.decode_seconds)
+                outputs.add((index, tuple(result.token_ids)))
+    print(f"\n{len(prompts)} prompts, every output the same by both builds and both methods: {len(outputs) == len(prompts)}")
+    print("| method | decode tok/s before | after | after/before | vs ar before | vs ar after |\n|---|---|---|---|---|---|")
+    for method in methods:
+        before, after = rates[("before", method)], rates[("after", method)]
+        ratio = statistics.median([a / b for a, b in zip(after, before)])
+        versus = [statistics.median([x / y for x, y in zip(rates[(name, method)], rates[(name, "ar")])]) for name in builds]
+        print(f"| {method} | {statistics.median(before):.1f} | {statistics.median(after):.1f} | {ratio:.3f} | "
+              f"{versus[0]:.3f} | {versus[1]:.3f} |")
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    arguments = sys.argv[1:]
+    main(*arguments[:2], int(arguments[arguments.index("--decode") + 1]) if "--decode" in arguments else 0)

@@ -523,7 +523,8 @@ def build_parser() -> Parser:
 
     bench = commands.add_parser("bench", help="methods side by side: acceptance, tokens/s, speed-up, losslessness")
     bench.add_argument("--methods", default="ar,ngram,eagle3,dflash",
-                       help="comma list; METHOD:K drafts K tokens per step (e.g. dflash:3), else the drafter's default; "
+                       help="comma list; METHOD:K drafts K tokens per step (e.g. dflash:3), METHOD:treeK a tree of K, "
+                       "else the drafter's default; ...+lookupN with a prompt-lookup branch of up to N tokens (0: none); "
                        "METHOD[:K]@FOLDER benches the drafter in FOLDER (e.g. a training run's drafter/) instead of the bundled one")
     bench.add_argument("--baselines", help="comma list: onednn (ar with float32 weights, without blockquant), "
                        "hf (transformers generate), prompt-lookup (its assisted mode), "
