@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
-from specserve_runtime.config import BUNDLED_DRAFTERS
+from specserve_runtime.config import BUNDLED_DRAFTERS, MAX_PROMPT_LOOKUP
 
 GROUP, VERSION = "specserve.io", "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -121,7 +121,7 @@ class Speculator(Model):
         "continuations, numSpeculativeTokens drafts in all; default: the drafter's own operating point"
     )
     prompt_lookup: int | None = Field(
-        None, ge=0, le=16, description="dflash, eagle3 on the embedded engine: beside the drafts, verify up to this "
+        None, ge=0, le=MAX_PROMPT_LOOKUP, description="dflash, eagle3 on the embedded engine: beside the drafts, verify up to this "
         "many tokens that prompt lookup copies from the sequence, 0 none; default: the drafter's own operating point"
     )
 

@@ -19,6 +19,9 @@ BUNDLED_DRAFTERS = ("smollm2-135m-instruct-dflash", "smollm2-135m-instruct-eagle
 # blocks first, then prompt chunks). vLLM's flags of the same names mean the same.
 DEFAULT_MAX_NUM_SEQS = 8
 DEFAULT_TOKEN_BUDGET = 512
+# The longest prompt-lookup branch beside a drafter's tree: a longer copy is verified at the cost of its rows
+# (the engine's caches keep room for it; drafters.propose_all).
+MAX_PROMPT_LOOKUP = 16
 
 
 class RuntimeConfig(BaseModel):
@@ -31,7 +34,7 @@ class RuntimeConfig(BaseModel):
     drafter: str | None = None
     num_speculative_tokens: int | None = Field(None, ge=1, le=64)
     draft_tree: bool | None = Field(None, description="dflash or eagle3, embedded engine: a draft tree (None: the drafter's default)")
-    prompt_lookup: int | None = Field(None, ge=0, le=16, description="dflash or eagle3, embedded engine: the most tokens "
+    prompt_lookup: int | None = Field(None, ge=0, le=MAX_PROMPT_LOOKUP, description="dflash or eagle3, embedded engine: the most tokens "
                                       "a prompt-lookup branch beside the drafts copies, 0 none (None: the drafter's default)")
     engine: Literal["vllm", "embedded"] = "embedded"
     engine_args: list[str] = []

@@ -21,8 +21,8 @@ from typing import Iterator
 import torch
 
 from .adaptive import DraftLengthChooser
-from .config import DEFAULT_TOKEN_BUDGET
-from .drafters import MAX_PROMPT_LOOKUP, Proposer, propose_all
+from .config import DEFAULT_TOKEN_BUDGET, MAX_PROMPT_LOOKUP
+from .drafters import Proposer, propose_all
 from .kv_cache import KVCache
 from .model import Segment, Transformer
 from .verify import DraftTree, SamplingParams, accept, position_uniforms, target_tokens

@@ -11,6 +11,7 @@ from typing import Callable, Protocol
 import torch
 
 from .. import blockquant
+from ..config import MAX_PROMPT_LOOKUP
 from ..errors import DrafterError
 from ..model import ModelConfig, Transformer
 from ..verify import DraftTree
@@ -157,9 +158,6 @@ def drafter_source(method: str, options: "ProposerOptions") -> str:
     if not (bundled / "config.json").is_file():
         raise DrafterError(f"no trained {method} drafter is bundled: pass --drafter PATH or --drafter random")
     return str(bundled)
-
-
-MAX_PROMPT_LOOKUP = 16  # a longer copy is verified at the cost of its rows; the engine's caches keep room for it
 
 
 def check_prompt_lookup(tokens, name: str) -> None:

@@ -8,8 +8,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from ..config import MAX_PROMPT_LOOKUP
 from ..model import load_state_dict
-from . import MAX_PROMPT_LOOKUP, DrafterError, OperatingPoint, ProposerOptions
+from . import DrafterError, OperatingPoint, ProposerOptions
 
 
 def read_config(folder: str | Path) -> dict:
