@@ -220,7 +220,7 @@ def library() -> ctypes.CDLL | None:
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     kernels.decoder_layers.restype = kernels.dflash_context.restype = ctypes.c_int
-    kernels.decoder_layers.argtypes = [pointer] * 4 + [size] + [pointer] * 3 + [size] + [pointer] * 2
+    kernels.decoder_layers.argtypes = [pointer] * 4 + [size] + [pointer] * 3 + [size] + [pointer] * 3
     kernels.dflash_context.argtypes = [pointer] * 5 + [size] + [pointer] * 4 + [size] * 2
     if kernels.blockquant_best_isa() == 0:
         log.warning("block-quantised kernels need AVX-512 or AVX2 with FMA: float32 weights instead")

@@ -80,11 +80,15 @@ static int shape_ok(const int8_weight *w, int64_t n_out, int64_t k) {
 /* Runs every layer over x [rows, hidden] (the segments' new rows end to end), in place; cos/sin [rows, D]
    each row's RoPE tables; embeds [rows, hidden] or NULL: an EAGLE-3 layer's token embeddings beside x, its
    features. tapped[layer] != 0: that layer's output goes to taps [rows, n_taps * hidden], taps side by side
-   in layer order. 0 on success, -1 for shapes it does not take (nothing written), -2 when memory runs out
-   (the caches may hold some of the new rows' keys: the caller drops the step). */
+   in layer order. kept [rows] or NULL (all): the rows whose output the caller reads; the others only lend the
+   last layer their keys and values (every row's go into the caches) and leave x as they entered that layer,
+   which then runs its output projection and MLP on the kept rows alone (a prompt's logits need its last row,
+   a DFlash block's only the slots it drafts). 0 on success, -1 for shapes it does not take (nothing written;
+   also a kept subset with the last layer tapped), -2 when memory runs out (the caches may hold some of the new
+   rows' keys: the caller drops the step). */
 int decoder_layers(const layer_weights *layers, const model_shape *shape, float *x, const float *embeds,
                    int64_t rows, const float *cos, const float *sin, const segment *segments, int64_t n_segments,
-                   const uint8_t *tapped, float *taps) {
+                   const uint8_t *tapped, float *taps, const uint8_t *kept) {
     __builtin_cpu_init();
     const int64_t H = shape->hidden, D = shape->head_dim, heads = shape->heads, kv = shape->kv_heads;
     const int64_t I = shape->intermediate, width = (heads + 2 * kv) * D, in = embeds ? 2 * H : H;
@@ -103,7 +107,7 @@ int decoder_layers(const layer_weights *layers, const model_shape *shape, float 
             return -1;
         n_taps += tapped[l] != 0;
     }
-    if (total != rows) return -1;
+    if (total != rows || (kept && tapped[shape->layers - 1])) return -1;
 
     int64_t widest = in;  /* the widest input of a product: the scratch for its int8 rows */
     if (I > widest) widest = I;
@@ -111,9 +115,10 @@ int decoder_layers(const layer_weights *layers, const model_shape *shape, float 
     float *h = malloc(rows * in * sizeof(float)), *qkv = malloc(rows * width * sizeof(float));
     float *attended = malloc(rows * heads * D * sizeof(float)), *gate_up = malloc(rows * 2 * I * sizeof(float));
     float *act = malloc(rows * I * sizeof(float)), *out = malloc(rows * H * sizeof(float));
+    float *kept_x = malloc(rows * H * sizeof(float));
     int8_t *qx = malloc(rows * widest);
     float *dx = malloc(rows * (widest / BLOCK) * sizeof(float)), *sx = malloc(rows * (widest / BLOCK) * sizeof(float));
-    int status = h && qkv && attended && gate_up && act && out && qx && dx && sx ? 0 : -2;
+    int status = h && qkv && attended && gate_up && act && out && kept_x && qx && dx && sx ? 0 : -2;
 
     for (int64_t l = 0, tap = 0; l < shape->layers && status == 0; l++) {
         const layer_weights *w = layers + l;
@@ -135,19 +140,37 @@ int decoder_layers(const layer_weights *layers, const model_shape *shape, float 
         status = attention_segments(qkv, width, D, qkv + heads * D, width, D, qkv + (heads + kv) * D, width, D, cos, sin,
                                     segments, n_segments, l, heads, kv, D, attended);
         if (status != 0) break;
-        product(attended, rows, &w->o, out, qx, dx, sx);
-        for (int64_t i = 0; i < rows * H; i++) x[i] += out[i];
-        for (int64_t r = 0; r < rows; r++) rms_norm(x + r * H, w->post_norm, H, shape->eps, h + r * H);
-        product(h, rows, &w->gate_up, gate_up, qx, dx, sx);
-        for (int64_t r = 0; r < rows; r++) swiglu(gate_up + r * 2 * I, gate_up + r * 2 * I + I, I, act + r * I);
-        product(act, rows, &w->down, out, qx, dx, sx);
-        for (int64_t i = 0; i < rows * H; i++) x[i] += out[i];
+        /* The rest of the layer works on each row alone: in the last layer, on the kept rows only, gathered into
+           kept_x (their attention outputs moved up in place), then put back. */
+        float *y = x;
+        int64_t n = rows;
+        if (kept && l == shape->layers - 1) {
+            y = kept_x;
+            n = 0;
+            for (int64_t r = 0; r < rows; r++)
+                if (kept[r]) {
+                    memcpy(y + n * H, x + r * H, H * sizeof(float));
+                    memmove(attended + n * heads * D, attended + r * heads * D, heads * D * sizeof(float));
+                    n++;
+                }
+        }
+        product(attended, n, &w->o, out, qx, dx, sx);
+        for (int64_t i = 0; i < n * H; i++) y[i] += out[i];
+        for (int64_t r = 0; r < n; r++) rms_norm(y + r * H, w->post_norm, H, shape->eps, h + r * H);
+        product(h, n, &w->gate_up, gate_up, qx, dx, sx);
+        for (int64_t r = 0; r < n; r++) swiglu(gate_up + r * 2 * I, gate_up + r * 2 * I + I, I, act + r * I);
+        product(act, n, &w->down, out, qx, dx, sx);
+        for (int64_t i = 0; i < n * H; i++) y[i] += out[i];
+        if (y != x)
+            for (int64_t r = 0, j = 0; r < rows; r++)
+                if (kept[r]) memcpy(x + r * H, y + j++ * H, H * sizeof(float));
         if (tapped[l]) {
             for (int64_t r = 0; r < rows; r++) memcpy(taps + (r * n_taps + tap) * H, x + r * H, H * sizeof(float));
             tap++;
         }
     }
-    free(h); free(qkv); free(attended); free(gate_up); free(act); free(out); free(qx); free(dx); free(sx);
+    free(h); free(qkv); free(attended); free(gate_up); free(act); free(out); free(kept_x); free(qx); free(dx);
+    free(sx);
     return status;
 }
 

@@ -196,8 +196,15 @@ class Transformer(nn.Module):
         # Each token's position continues its own sequence, so RoPE and the masks are per segment.
         cos, sin = self.rotary(torch.cat([segment.positions() for segment in batch]))
         x = self.embed_tokens(torch.cat([segment.tokens for segment in batch]))  # [N, H]
+        ends = torch.tensor(sizes).cumsum(0).tolist()
+        rows = [row for segment, end in zip(batch, ends) for row in range(end - segment.num_logits, end)]
         if self.native_layers is not None:
-            taps = self.native_layers.run(x, cos, sin, [(s.cache, s.visible(), None) for s in batch], tap_layers)  # x in place
+            kept = None  # a prompt's rows before its last lend the last layer only their keys and values
+            if len(rows) < len(x) and self.config.num_hidden_layers - 1 not in tap_layers:
+                kept = torch.zeros(len(x), dtype=torch.bool)
+                kept[rows] = True
+            segments = [(s.cache, s.visible(), None) for s in batch]
+            taps = self.native_layers.run(x, cos, sin, segments, tap_layers, kept=kept)  # x in place
         else:
             masks = [segment.mask() for segment in batch]
             tapped_outputs = []
@@ -206,8 +213,6 @@ class Transformer(nn.Module):
                 if i in tap_layers:
                     tapped_outputs.append(x)
             taps = torch.cat(tapped_outputs, dim=-1) if tapped_outputs else None
-        ends = torch.tensor(sizes).cumsum(0).tolist()
-        rows = [row for segment, end in zip(batch, ends) for row in range(end - segment.num_logits, end)]
         logits = self.lm_head(self.norm(x[rows])).split([segment.num_logits for segment in batch])
         tapped = taps.split(sizes) if taps is not None else [None] * len(batch)
         for segment in batch:

@@ -88,11 +88,13 @@ class NativeLayers:
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             batch: list[tuple[KVCache, torch.Tensor, torch.Tensor | None]], tap_layers: tuple[int, ...] = (),
-            embeds: torch.Tensor | None = None):
+            embeds: torch.Tensor | None = None, kept: torch.Tensor | None = None):
         """x [N, H] (the segments' new rows end to end) through every layer, in place. batch: per segment, its cache,
         `visible` [T, T] bool, the new rows each new row sees, and `cached_visible` [T, cache.length] bool, the cached
         slots each sees, or None: all; its rows' keys and values go into the cache after its length (which is the
         caller's to advance, or not). embeds [N, H]: an EAGLE-3 layer's token embeddings, x being its features.
+        kept [N] bool, or None (all): the rows whose output the caller reads; the others skip the last layer's
+        output projection and MLP, and come out of it as they went in (the last layer cannot be tapped then).
         -> the tapped layers' outputs side by side in layer order [N, taps * H], or None."""
         for rows in (x, embeds) if embeds is not None else (x,):
             if rows.dtype != torch.float32 or not rows.is_contiguous() or rows.shape != (x.shape[0], self.shape.hidden):
@@ -110,10 +112,15 @@ class NativeLayers:
             for (cache, _, _), (visible, cached_visible) in zip(batch, masks)))
         tapped = bytes(layer in tap_layers for layer in range(self.shape.layers))
         taps = torch.empty(x.shape[0], sum(tapped) * self.shape.hidden) if any(tapped) else None
+        if kept is not None:
+            if kept.shape != (x.shape[0],) or kept.dtype != torch.bool:
+                raise ValueError(f"kept marks each of the {x.shape[0]} rows, as bool, not {kept.dtype} {tuple(kept.shape)}")
+            kept = kept.to(torch.uint8).contiguous()  # kept alive through the call
         status = blockquant.library().decoder_layers(
             ctypes.byref(self.layers), ctypes.byref(self.shape), x.data_ptr(),
             embeds.data_ptr() if embeds is not None else None, x.shape[0], cos.data_ptr(), sin.data_ptr(), segments,
-            len(batch), tapped, taps.data_ptr() if taps is not None else None)
+            len(batch), tapped, taps.data_ptr() if taps is not None else None,
+            kept.data_ptr() if kept is not None else None)
         if status != 0:
             raise ValueError(f"decoder_layers refused {x.shape[0]} rows in {len(batch)} segments: status {status}")
         return taps

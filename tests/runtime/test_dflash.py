@@ -220,13 +220,15 @@ def test_drafting_in_c_layers_computes_what_the_torch_layers_compute(tiny_llama)
                           CACHE_DTYPE) for n in (11, 5)]  # decoder.c's; the torch layers read them back as float32
         drafter.project_context([(caches[0], taps[:7]), (caches[1], taps[:5])])
         drafter.project_context([(caches[0], taps[7:11])])
-        return caches, drafter.draft_hidden(tiny_llama.embed_tokens(blocks), caches)
+        return caches, drafter.draft_hidden(tiny_llama.embed_tokens(blocks), caches, cfg.block_size - 1)
 
     try:
         expected_caches, expected = draft(None)
         caches, hidden = draft(native)
         context = [(cache.k[:, :, : cache.length].clone(), cache.v[:, :, : cache.length].clone()) for cache in caches]
-        assert torch.equal(hidden, drafter.draft_hidden(tiny_llama.embed_tokens(blocks), caches))  # nothing kept
+        assert torch.equal(hidden, drafter.draft_hidden(tiny_llama.embed_tokens(blocks), caches, 7))  # nothing kept
+        # Drafting fewer slots runs the last layer's MLP on those rows alone: the same bits for them.
+        assert torch.equal(hidden[:, :3], drafter.draft_hidden(tiny_llama.embed_tokens(blocks), caches, 3))
     finally:
         drafter.native_layers = native
     for cache, want, (k, v) in zip(caches, expected_caches, context):

@@ -366,6 +366,42 @@ def test_native_layers_refuse_rows_they_cannot_take(tiny_llama_int8):
     assert cache.length == 0 and not cache.k.any() and cache.k.dtype == CACHE_DTYPE and not wide.k.any()
 
 
+@needs_vnni
+def test_rows_not_kept_skip_the_last_layer_and_the_kept_keep_their_bits(tiny_llama_int8):
+    """decoder.c's `kept`: the rows the caller reads come out of the last layer with the bits of a forward of every
+    row, every row's keys and values still go into the cache, the others leave the last layer as they entered it
+    (the output of the layer before); a prompt's forward for its last logits (the engine's prefill) uses it."""
+    model, native = tiny_llama_int8, tiny_llama_int8.native_layers
+    rows = 7
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(3))
+    cos, sin = model.rotary(torch.arange(rows))
+    causal = torch.ones(rows, rows, dtype=torch.bool).tril()
+    kept = torch.tensor([False, True, False, False, True, True, False])
+    runs = {}
+    for name, mask, taps in (("all", None, (model.config.num_hidden_layers - 2,)), ("kept", kept, ())):
+        cache = model.new_cache(rows)
+        out = x.clone()
+        tapped = native.run(out, cos, sin, [(cache, causal, None)], taps, kept=mask)
+        runs[name] = out, cache, tapped
+    (every, every_cache, before_last), (some, some_cache, _) = runs["all"], runs["kept"]
+    assert torch.equal(some[kept], every[kept])
+    assert torch.equal(some[~kept], before_last[~kept])
+    assert torch.equal(some_cache.k, every_cache.k) and torch.equal(some_cache.v, every_cache.v)
+    none = x.clone()  # a prompt chunk before its last: no logits, only keys and values
+    native.run(none, cos, sin, [(model.new_cache(rows), causal, None)], kept=torch.zeros(rows, dtype=torch.bool))
+    assert torch.equal(none, before_last)
+
+    prompt = torch.tensor([5, 17, 42, 8, 3, 60])
+    last = model(prompt, model.new_cache(8), last_logits_only=True).logits
+    assert torch.equal(last[0], model(prompt, model.new_cache(8)).logits[-1])
+
+    last_layer = (model.config.num_hidden_layers - 1,)
+    with pytest.raises(ValueError, match="decoder_layers refused 7 rows in 1 segments: status -1"):
+        native.run(x.clone(), cos, sin, [(model.new_cache(rows), causal, None)], last_layer, kept=kept)
+    with pytest.raises(ValueError, match=r"kept marks each of the 7 rows, as bool, not torch.int64 \(7,\)"):
+        native.run(x.clone(), cos, sin, [(model.new_cache(rows), causal, None)], kept=kept.long())
+
+
 def test_a_bad_target_int8_switch_is_refused_by_name(tiny_llama_blocks_dir, monkeypatch):
     monkeypatch.setenv("SPECSERVE_TARGET_INT8", "yes")
     with pytest.raises(ModelError, match="SPECSERVE_TARGET_INT8 is 1 \\(int8 products\\) or 0 \\(float32 products\\), not 'yes'"):

@@ -242,22 +242,27 @@ class DFlashDrafter(nn.Module):
             x = layer(x, cos, sin, [context_kv[i] for context_kv in contexts], mask)
         return self.norm(x)
 
-    def draft_hidden(self, block_embeds: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
+    def draft_hidden(self, block_embeds: torch.Tensor, caches: list[KVCache], slots: int) -> torch.Tensor:
         """Inference: the blocks of len(caches) sequences, end to end, each placed right after its context (the
-        cache's keys/values) -> normalised hidden states [N, H], as forward() computes them."""
+        cache's keys/values) -> the normalised hidden states [len(caches), slots, H] of each block's slots
+        1..slots, the ones that draft, as forward() computes them."""
         block_size = block_embeds.shape[0] // len(caches)
         positions = torch.cat([torch.arange(cache.length, cache.length + block_size) for cache in caches])
         if self.native_layers is None:
             contexts = [[cache.get(layer) for layer in range(len(self.layers))] for cache in caches]
-            return self(block_embeds, positions, contexts)
+            x = self(block_embeds, positions, contexts)
+            return x.view(len(caches), block_size, -1)[:, 1 : 1 + slots]
         # decoder.c: each block row sees all of its context and all of its block, no mask. The block's keys and
         # values go into the cache's slots after the context, which the cache's length never covers: the next
-        # context projection overwrites them.
+        # context projection overwrites them. The last layer's output is computed for the drafting slots only: the
+        # others (the last token's row, the slots past the deepest draft) lend it only their keys and values.
         cos, sin = self.rotary(positions)
         x = block_embeds.clone()  # decoder.c works in place; the caller keeps its embeddings
         everything = torch.ones(block_size, block_size, dtype=torch.bool)
-        self.native_layers.run(x, cos, sin, [(cache, everything, None) for cache in caches])
-        return self.norm(x)
+        drafting = torch.zeros(len(caches), block_size, dtype=torch.bool)
+        drafting[:, 1 : 1 + slots] = True
+        self.native_layers.run(x, cos, sin, [(cache, everything, None) for cache in caches], kept=drafting.flatten())
+        return self.norm(x.view(len(caches), block_size, -1)[:, 1 : 1 + slots])
 
 
 def draft_tree(log_probs: torch.Tensor, num_nodes: int) -> DraftTree:
@@ -323,11 +328,10 @@ class DFlashProposer(ModelProposer):
         blocks = torch.full((len(drafting), block_size), cfg.mask_token_id)
         blocks[:, 0] = torch.tensor([tokens[-1] for _, tokens in drafting])
         caches = [proposer.context_cache for proposer, _ in drafting]
-        hidden = self.drafter.draft_hidden(self.target.embed_tokens(blocks.flatten()), caches)
         # Slot i (i >= 1) predicts the token i places after the last committed one. No draft, chain
         # or tree, reaches deeper than its sequence's count.
-        most = max(counts)
-        logits = self.head.logits(hidden.view(len(drafting), block_size, -1)[:, 1 : 1 + most])
+        hidden = self.drafter.draft_hidden(self.target.embed_tokens(blocks.flatten()), caches, max(counts))
+        logits = self.head.logits(hidden)
         if self.tree:
             log_probs = iter(torch.log_softmax(logits.float(), dim=-1))
             trees = [draft_tree(next(log_probs)[:count], count) if count > 0 else None for count in counts]

@@ -1,0 +1,127 @@
+"""One-off measurement: what decoder.c's `kept` rows save, in one process, interleaved in rounds, medians.
+
+- DFlash drafting: the bundled drafter's block of 8 through its two layers after a context of 300 positions, every
+  row through the last layer's output projection and MLP (before) against only the 3 slots that a tree of 3 drafts
+  (`kept`, what DFlashDrafter.draft_hidden now asks for), then the head on those 3 rows.
+- A prompt's forward (prefill) of 64 and 256 tokens through the target's 30 layers: every row through the last
+  layer against the last row only (Transformer.forward_batch for a prompt's last logits).
+
+Also checks that the kept rows' outputs are the same bits both ways. With --decode N, then whole greedy decodes
+of 3N held-out prompts of set v2 (N a category, 128 new tokens) by the bundled DFlash drafter, each prompt both
+ways in turn (every row: every slot drafted and the prompt's every row through the last layer, then sliced):
+the medians of the per-prompt ratios of decode speed and of prefill time, and whether every output is the same.
+Run: .venv/bin/python docs/experiments/kept_rows.py [--decode 4]   (results in docs/benchmarks.md, "Rows nobody
+reads")
+"""
+
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "runtime"))
+from specserve_runtime.bench import method_spec  # noqa: E402
+from specserve_runtime.loader import build_engine, load_model  # noqa: E402
+from specserve_runtime.store import DEFAULT_MODEL  # noqa: E402
+
+ROUNDS, CALLS, CONTEXT, SLOTS, PROMPTS = 15, 20, 300, 3, (64, 256)
+
+
+def main() -> None:
+    model = load_model(DEFAULT_MODEL)
+    target = model.target
+    proposer = build_engine(model, *method_spec("dflash")).proposer
+    drafter, native = proposer.drafter, proposer.drafter.native_layers
+    assert native is not None and target.native_layers is not None, "needs decoder.c's layers (AVX-512 VNNI)"
+
+    sequence = copy.copy(proposer)  # as the engine gives each sequence its copy
+    sequence.begin(CONTEXT + 64)
+    taps = target(torch.randint(0, target.config.vocab_size, (CONTEXT,)), target.new_cache(CONTEXT + 8),
+                  tap_layers=proposer.tap_layers).taps
+    drafter.project_context([(sequence.context_cache, taps)])
+    block = drafter.config.block_size
+    embeds = target.embed_tokens(torch.tensor([42] + [drafter.config.mask_token_id] * (block - 1)))
+    cos, sin = drafter.rotary(torch.arange(CONTEXT, CONTEXT + block))
+    everything = torch.ones(block, block, dtype=torch.bool)
+    drafting = torch.zeros(block, dtype=torch.bool)
+    drafting[1 : 1 + SLOTS] = True
+
+    def draft(kept):
+        x = embeds.clone()
+        native.run(x, cos, sin, [(sequence.context_cache, everything, None)], kept=kept)
+        return proposer.head.logits(drafter.norm(x[1 : 1 + SLOTS]))
+
+    prompts = {n: torch.randint(0, target.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+               for n in PROMPTS}
+
+    def prefill(n, kept):
+        x = target.embed_tokens(prompts[n])
+        cos, sin = target.rotary(torch.arange(n))
+        native_layers = target.native_layers
+        native_layers.run(x, cos, sin, [(target.new_cache(n), torch.ones(n, n, dtype=torch.bool).tril(), None)],
+                          kept=kept)
+        return target.lm_head(target.norm(x[-1:]))
+
+    last_only = {n: torch.arange(n) == n - 1 for n in PROMPTS}
+    parts = {"drafting (block of 8, head on 3)": (lambda: draft(None), lambda: draft(drafting), CALLS)}
+    for n in PROMPTS:
+        parts[f"prefill of {n} tokens"] = (lambda n=n: prefill(n, None), lambda n=n: prefill(n, last_only[n]),
+                                           max(2, CALLS // (n // 32)))
+    seconds, same = {}, {}
+    for round_ in range(ROUNDS):
+        for part, (before, after, calls) in parts.items():
+            order = (("before", before), ("after", after)) if round_ % 2 == 0 else (("after", after), ("before", before))
+            outputs = {}
+            for name, function in order:
+                started = time.perf_counter()
+                for _ in range(calls):
+                    outputs[name] = function()
+                seconds.setdefault((part, name), []).append((time.perf_counter() - started) / calls)
+            same[part] = same.get(part, True) and torch.equal(outputs["before"], outputs["after"])
+    print("| part | every row, ms | kept rows, ms | kept / every | same bits |\n|---|---|---|---|---|")
+    for part in parts:
+        b, a = (1000 * statistics.median(seconds[(part, name)]) for name in ("before", "after"))
+        print(f"| {part} | {b:.3f} | {a:.3f} | {a / b:.2f} | {'yes' if same[part] else 'NO'} |")
+    if "--decode" in sys.argv:
+        decode(model, int(sys.argv[sys.argv.index("--decode") + 1]))
+
+
+def decode(model, per_category: int) -> None:
+    from specserve_runtime.bench import held_out_sample
+    from specserve_runtime.engine import Request
+    from specserve_runtime.training.sources import default_prompt_set
+
+    records = [json.loads(line) for line in default_prompt_set().read_text().splitlines()]
+    prompts = [model.encode(record["prompt"]) for record in held_out_sample(records, per_category)]
+    engine = build_engine(model, *method_spec("dflash"))
+    drafter, native = engine.proposer.drafter, model.target.native_layers
+    kept_rows = {"draft_hidden": drafter.draft_hidden, "run": native.run}
+    block = drafter.config.block_size
+    every_row = {  # what was computed before: every slot through the last layer, every prompt row
+        "draft_hidden": lambda embeds, caches, slots: kept_rows["draft_hidden"](embeds, caches, block - 1)[:, :slots],
+        "run": lambda *args, kept=None, **kwargs: kept_rows["run"](*args, **kwargs)}
+    ways = {"every row": every_row, "kept rows": kept_rows}
+    rates, prefills, outputs = {way: [] for way in ways}, {way: [] for way in ways}, set()
+    for index, prompt in enumerate(prompts):
+        for way in (("every row", "kept rows") if index % 2 == 0 else ("kept rows", "every row")):
+            drafter.draft_hidden, native.run = ways[way]["draft_hidden"], ways[way]["run"]
+            result = engine.generate(Request(prompt, 128))
+            rates[way].append((len(result.token_ids) - 1) / result.decode_seconds)
+            prefills[way].append(result.prefill_seconds)
+            outputs.add((index, tuple(result.token_ids)))
+    drafter.draft_hidden, native.run = kept_rows["draft_hidden"], kept_rows["run"]
+    print(f"\n{len(prompts)} prompts, every output the same both ways: {len(outputs) == len(prompts)}")
+    print("| dflash | every row | kept rows | kept / every, median of prompts |\n|---|---|---|---|")
+    for name, values in (("decode tok/s", rates), ("prefill ms", prefills)):
+        scale = 1000 if name == "prefill ms" else 1
+        ratio = statistics.median([a / b for a, b in zip(values["kept rows"], values["every row"])])
+        print(f"| {name} | {scale * statistics.median(values['every row']):.1f} | "
+              f"{scale * statistics.median(values['kept rows']):.1f} | {ratio:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
