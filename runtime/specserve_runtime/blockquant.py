@@ -7,7 +7,7 @@ if they give back every float32 value bit for bit, so the kernel multiplies by e
 weights the float32 path does, from 3.6x (Q8_0) to 5.3x (Q4_1) fewer bytes (a one-token step
 reads every weight once and is bound by those reads). Other weights (a trained drafter's, a
 checkpoint in float32) have no such blocks and keep oneDNN's layout (layers.PackedLinear), except
-a drafter's: `int8_blocks` rounds them to Q8_0 (its numbers decide only what it proposes). Where
+a drafter's: `int8_blocks` rounds them to Q4_1 (its numbers decide only what it proposes). Where
 the CPU has AVX-512 VNNI, products round their rows to int8 too, integer dot products as llama.cpp
 computes them: the drafters' always, the target's on its exact blocks (SPECSERVE_TARGET_INT8).
 
@@ -79,17 +79,22 @@ def exact_blocks(weight: torch.Tensor) -> Blocks | None:
     """
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.shape[1] % BLOCK:
         return None
-    weight = weight.detach()
-    rows = weight.reshape(weight.shape[0], -1, BLOCK)
+    for rounded in (q4_1_blocks, q8_0_blocks):
+        blocks = rounded(weight)
+        if torch.equal(blocks.dequantize(), weight):
+            return blocks
+    return None
+
+
+def q4_1_blocks(weight: torch.Tensor) -> Blocks:
+    """A float32 [n, k] weight rounded to Q4_1 blocks: d = (max - min) / 15 and the minimum in float16, each
+    weight the nearest of min + q d, q in 0..15."""
+    rows = weight.detach().reshape(weight.shape[0], -1, BLOCK)
     low, high = rows.amin(-1), rows.amax(-1)
     scale, minimum = ((high - low) / 15).half().float(), low.half().float()
     q = torch.round((rows - minimum[..., None]) / torch.where(scale == 0, 1.0, scale)[..., None]).clamp(0, 15)
     q = q.to(torch.uint8)
-    q4_1 = Blocks(tuple(weight.shape), scale, minimum, nibbles=(q[..., :16] | (q[..., 16:] << 4)).contiguous())
-    if torch.equal(q4_1.dequantize(), weight):
-        return q4_1
-    q8_0 = q8_0_blocks(weight)
-    return q8_0 if torch.equal(q8_0.dequantize(), weight) else None
+    return Blocks(tuple(weight.shape), scale, minimum, nibbles=(q[..., :16] | (q[..., 16:] << 4)).contiguous())
 
 
 def q8_0_blocks(weight: torch.Tensor) -> Blocks:
@@ -119,14 +124,21 @@ class Int8Blocks:
 GROUP = 16  # outputs per int8 group: the 16 int32 lanes of an AVX-512 register
 
 
+# How int8_blocks rounds a weight that has no exact blocks (a drafter's): to Q4_1, 0.75 bytes a weight in the int8
+# layout against Q8_0's 1.125. A DFlash drafting step is bound by reading its weights, which the target's forward
+# has pushed out of the caches: on Q4_1 a DFlash step ran 1.02-1.04x faster for 0.3% of its tau, EAGLE-3 level
+# (docs/benchmarks.md, "A drafter on Q4_1").
+ROUNDING = q4_1_blocks
+
+
 def int8_blocks(weight: torch.Tensor, exact: Blocks | None) -> Int8Blocks | None:
     """A weight for products on int8 activations: its `exact` blocks where it has them (exact_blocks'
-    answer for it), else its values rounded to Q8_0; None where the int8 kernel does not run (no AVX-512
+    answer for it), else its values rounded (ROUNDING); None where the int8 kernel does not run (no AVX-512
     VNNI, or a weight that is not float32 [n, k] with n a multiple of 16 and k of 32)."""
     if (not int8_enabled() or weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu"
             or weight.shape[0] % GROUP or weight.shape[1] % BLOCK):
         return None
-    return int8_layout(exact or q8_0_blocks(weight))
+    return int8_layout(exact or ROUNDING(weight))
 
 
 def int8_layout(blocks: Blocks) -> Int8Blocks:

@@ -63,9 +63,9 @@ class PackedLinear(nn.Module):
     Why: a decode step's matrix products are most of its time, and rows are what verifying
     drafts and batching sequences add. Three layouts, the first that applies:
     - int8 blocks: each row of x rounded to int8 per block of 32 as llama.cpp does, integer dot
-      products (blockquant.c), every row count. A drafter's weights (int8_activations) become Q8_0
-      blocks, exactly or rounded: its numbers change only what it proposes, never what verification
-      commits. The target's, only where they are the GGUF file's blocks exactly (int8_target_products),
+      products (blockquant.c), every row count. A drafter's weights (int8_activations) are rounded
+      to Q4_1 blocks (its head, the target's rows, keeps their exact Q8_0 blocks): its numbers change
+      only what it proposes, never what verification commits. The target's, only where they are the GGUF file's blocks exactly (int8_target_products),
       with row-exact attention beside them (attention.c): each row's product has the same bits
       whatever the rows beside it, so verification computes plain decoding's logits;
     - the GGUF file's own blocks (blockquant.py), where the weight's float32 values are exactly

@@ -99,11 +99,16 @@ def test_on_int8_activations_a_row_has_the_same_bits_alone_and_among_others(fmt)
 
 
 @needs_vnni
-def test_a_float32_weight_is_rounded_to_q8_0_for_int8_products_and_misfits_are_left_alone():
+def test_a_float32_weight_is_rounded_to_q4_1_for_int8_products_and_misfits_are_left_alone():
     weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(3))
     int8 = blockquant.int8_blocks(weight, blockquant.exact_blocks(weight))  # none: rounded
-    rounded = blockquant.q8_0_blocks(weight).dequantize()
-    assert int8.format == "Q8_0" and (rounded - weight).abs().max() <= weight.abs().max() / 254 * 1.01
+    rounded = blockquant.q4_1_blocks(weight).dequantize()
+    blocks = weight.reshape(32, 2, 32)
+    step = (blocks.amax(-1, keepdim=True) - blocks.amin(-1, keepdim=True)) / 15  # each block's d
+    assert int8.format == "Q4_1" and torch.all((rounded - weight).reshape(32, 2, 32).abs() <= 0.5 * step * 1.01)
+    for rounding in (blockquant.q4_1_blocks, blockquant.q8_0_blocks):  # a weight that is its blocks is found exact
+        exact = rounding(weight)
+        assert blockquant.exact_blocks(exact.dequantize()).format == exact.format
     x = torch.randn(5, 64)
     torch.testing.assert_close(blockquant.linear(x, int8).double(), int8_reference(x, rounded), rtol=1e-5, atol=1e-5)
     assert blockquant.int8_blocks(torch.randn(24, 64), None) is None  # outputs: not whole groups of 16
@@ -238,3 +243,4 @@ def test_the_bench_names_the_weight_layouts_it_ran_on(tiny_llama_blocks, request
     if blockquant.int8_enabled():
         assert machine(request.getfixturevalue("tiny_llama_int8"))["weights"] == (
             "target on int8 products of the GGUF blocks (AVX-512 VNNI) in C layers (decoder.c); drafters on int8 products")
+
