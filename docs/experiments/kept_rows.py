@@ -15,7 +15,6 @@ reads")
 """
 
 import copy
-import json
 import statistics
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "runtime"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # paired_decodes
 from specserve_runtime.bench import method_spec  # noqa: E402
 from specserve_runtime.loader import build_engine, load_model  # noqa: E402
 from specserve_runtime.store import DEFAULT_MODEL  # noqa: E402
@@ -91,36 +91,21 @@ def main() -> None:
 
 
 def decode(model, per_category: int) -> None:
-    from specserve_runtime.bench import held_out_sample
-    from specserve_runtime.engine import Request
-    from specserve_runtime.training.sources import default_prompt_set
+    from paired_decodes import engines_for, paired_decodes
 
-    records = [json.loads(line) for line in default_prompt_set().read_text().splitlines()]
-    prompts = [model.encode(record["prompt"]) for record in held_out_sample(records, per_category)]
-    engine = build_engine(model, *method_spec("dflash"))
-    drafter, native = engine.proposer.drafter, model.target.native_layers
-    kept_rows = {"draft_hidden": drafter.draft_hidden, "run": native.run}
-    block = drafter.config.block_size
-    every_row = {  # what was computed before: every slot through the last layer, every prompt row
-        "draft_hidden": lambda embeds, caches, slots: kept_rows["draft_hidden"](embeds, caches, block - 1)[:, :slots],
-        "run": lambda *args, kept=None, **kwargs: kept_rows["run"](*args, **kwargs)}
-    ways = {"every row": every_row, "kept rows": kept_rows}
-    rates, prefills, outputs = {way: [] for way in ways}, {way: [] for way in ways}, set()
-    for index, prompt in enumerate(prompts):
-        for way in (("every row", "kept rows") if index % 2 == 0 else ("kept rows", "every row")):
-            drafter.draft_hidden, native.run = ways[way]["draft_hidden"], ways[way]["run"]
-            result = engine.generate(Request(prompt, 128))
-            rates[way].append((len(result.token_ids) - 1) / result.decode_seconds)
-            prefills[way].append(result.prefill_seconds)
-            outputs.add((index, tuple(result.token_ids)))
-    drafter.draft_hidden, native.run = kept_rows["draft_hidden"], kept_rows["run"]
-    print(f"\n{len(prompts)} prompts, every output the same both ways: {len(outputs) == len(prompts)}")
-    print("| dflash | every row | kept rows | kept / every, median of prompts |\n|---|---|---|---|")
-    for name, values in (("decode tok/s", rates), ("prefill ms", prefills)):
-        scale = 1000 if name == "prefill ms" else 1
-        ratio = statistics.median([a / b for a, b in zip(values["kept rows"], values["every row"])])
-        print(f"| {name} | {scale * statistics.median(values['every row']):.1f} | "
-              f"{scale * statistics.median(values['kept rows']):.1f} | {ratio:.3f} |")
+    engines = engines_for(model, ("dflash",))
+    drafter, native = engines["dflash"].proposer.drafter, model.target.native_layers
+    draft_hidden, run, block = drafter.draft_hidden, native.run, drafter.config.block_size
+
+    def every_row():  # what was computed before: every slot through the last layer, every prompt row
+        drafter.draft_hidden = lambda embeds, caches, slots: draft_hidden(embeds, caches, block - 1)[:, :slots]
+        native.run = lambda *args, kept=None, **kwargs: run(*args, **kwargs)
+
+    def kept_rows():  # the methods of their classes again
+        drafter.__dict__.pop("draft_hidden", None)
+        native.__dict__.pop("run", None)
+
+    paired_decodes(model, engines, {"every row": every_row, "kept rows": kept_rows}, per_category)
 
 
 if __name__ == "__main__":

@@ -185,6 +185,20 @@ def linear(x: torch.Tensor, blocks: Blocks | Int8Blocks, isa: int | None = None)
     return out.reshape(*x.shape[:-1], n)
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax of x [N, V] -> int64 [N], the first of equal maxima (torch.argmax's rule): blockquant.c's
+    on float32 CPU rows where it runs (AVX-512), else torch's. Why: torch's took 60-90 us a row of the target's
+    49,152 logits, and greedy verification takes one a verified row (docs/benchmarks.md, "The target's choice")."""
+    kernels = library()
+    if kernels is None or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+        return x.argmax(dim=-1)
+    rows = x.contiguous()
+    out = torch.empty(rows.shape[0], dtype=torch.int64)
+    if kernels.blockquant_argmax(rows.data_ptr(), rows.shape[0], rows.shape[1], out.data_ptr()) != 0:
+        return x.argmax(dim=-1)
+    return out
+
+
 def int8_switch(name: str, default: str, error: type[Exception]) -> bool:
     """An environment switch for int8 products: 1 on (where the CPU runs them, int8_enabled()), 0 off
     (float32); any other value raises `error`, naming the variable."""
@@ -231,6 +245,8 @@ def library() -> ctypes.CDLL | None:
         ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     pointer, size = ctypes.c_void_p, ctypes.c_int64
+    kernels.blockquant_argmax.restype = ctypes.c_int
+    kernels.blockquant_argmax.argtypes = [pointer, size, size, pointer]
     kernels.decoder_layers.restype = kernels.dflash_context.restype = ctypes.c_int
     kernels.decoder_layers.argtypes = [pointer] * 4 + [size] + [pointer] * 3 + [size] + [pointer] * 3
     kernels.dflash_context.argtypes = [pointer] * 5 + [size] + [pointer] * 4 + [size] * 2

@@ -15,6 +15,8 @@ from typing import Callable
 
 import torch
 
+from . import blockquant
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -112,7 +114,7 @@ def target_tokens(logits: torch.Tensor, params: SamplingParams, uniforms: torch.
     """The target's choice at every row of logits [N, V] -> [N]: argmax, or a sample per row drawn with
     that row's uniform number [N] by inverting the cumulative distribution (exact sampling)."""
     if params.temperature == 0:
-        return logits.argmax(dim=-1)
+        return blockquant.argmax(logits)
     probs = torch.softmax(logits.double() / params.temperature, dim=-1)
     if params.top_p < 1:
         sorted_probs, order = probs.sort(dim=-1, descending=True)

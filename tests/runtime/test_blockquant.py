@@ -244,3 +244,20 @@ def test_the_bench_names_the_weight_layouts_it_ran_on(tiny_llama_blocks, request
         assert machine(request.getfixturevalue("tiny_llama_int8"))["weights"] == (
             "target on int8 products of the GGUF blocks (AVX-512 VNNI) in C layers (decoder.c); drafters on int8 products")
 
+
+@pytest.mark.parametrize("rows, n", [(1, 5), (3, 16), (2, 63), (4, 64), (3, 65), (8, 8192), (8, 49152), (2, 49157)])
+def test_argmax_picks_each_rows_first_largest_value_as_torch_does(rows, n):
+    """Greedy verification's argmax (blockquant.c where the CPU has AVX-512, else torch): the same index as
+    torch.argmax for every row, also where the largest value occurs many times (the first wins: in the same lane,
+    across lanes and running maxima, in the tail past the last whole 64) and where every value is -inf."""
+    generator = torch.Generator().manual_seed(n)
+    spread = torch.randn(rows, n, generator=generator)
+    ties = torch.randint(-3, 3, (rows, n), generator=generator).float()  # each row's maximum, many times over
+    tail = torch.zeros(rows, n)
+    tail[:, -1] = tail[:, -3] = 1.0  # the largest value only past the vector part (when n is not a multiple of 64)
+    for x in (spread, ties, tail):
+        assert torch.equal(blockquant.argmax(x), x.argmax(dim=-1))
+    assert blockquant.argmax(torch.full((rows, n), -float("inf"))).tolist() == [0] * rows
+    strided = spread.T.contiguous().T  # not contiguous: copied first
+    assert torch.equal(blockquant.argmax(strided), spread.argmax(dim=-1))
+    assert torch.equal(blockquant.argmax(spread.double()), spread.argmax(dim=-1))  # not float32: torch's

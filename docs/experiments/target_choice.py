@@ -1,0 +1,56 @@
+"""One-off measurement: greedy verification's argmax (verify.target_tokens) by torch against blockquant.c's, in
+one process: first each on 1, 4 and 8 rows of 49,152 logits (the target's vocabulary; interleaved in rounds,
+medians), then, with --decode N, whole greedy decodes of 3N held-out prompts by `ar` and the bundled DFlash
+drafter, each prompt both ways in turn (paired_decodes.py).
+
+Run: .venv/bin/python docs/experiments/target_choice.py [--decode 4]   (results in docs/benchmarks.md, "The
+target's choice")
+"""
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "runtime"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # paired_decodes
+from specserve_runtime import blockquant, verify  # noqa: E402
+
+ROUNDS, CALLS, ROWS, VOCABULARY = 15, 200, (1, 4, 8), 49152
+WAYS = {"torch": lambda logits: logits.argmax(dim=-1), "blockquant.c": blockquant.argmax}
+
+
+def main() -> None:
+    logits = {rows: torch.randn(rows, VOCABULARY, generator=torch.Generator().manual_seed(rows)) for rows in ROWS}
+    seconds = {}
+    for round_ in range(ROUNDS):
+        for name, argmax in (WAYS.items() if round_ % 2 == 0 else reversed(WAYS.items())):
+            for rows in ROWS:
+                argmax(logits[rows])
+                started = time.perf_counter()
+                for _ in range(CALLS):
+                    argmax(logits[rows])
+                seconds.setdefault((name, rows), []).append((time.perf_counter() - started) / CALLS)
+    same = all(torch.equal(WAYS["torch"](x), WAYS["blockquant.c"](x)) for x in logits.values())
+    print(f"| rows of {VOCABULARY} logits | torch, us | blockquant.c, us | ratio |\n|---|---|---|---|")
+    for rows in ROWS:
+        t, c = (1e6 * statistics.median(seconds[(name, rows)]) for name in WAYS)
+        print(f"| {rows} | {t:.1f} | {c:.1f} | {c / t:.3f} |")
+    print("same indices:", same)
+    if "--decode" in sys.argv:
+        from paired_decodes import engines_for, paired_decodes
+        from specserve_runtime.loader import load_model
+        from specserve_runtime.store import DEFAULT_MODEL
+
+        model = load_model(DEFAULT_MODEL)
+        ways = {name: (lambda argmax=argmax: setattr(verify.blockquant, "argmax", argmax)) for name, argmax in WAYS.items()}
+        try:
+            paired_decodes(model, engines_for(model, ("ar", "dflash")), ways, int(sys.argv[sys.argv.index("--decode") + 1]))
+        finally:
+            verify.blockquant.argmax = WAYS["blockquant.c"]
+
+
+if __name__ == "__main__":
+    main()
