@@ -1,4 +1,4 @@
-"""What the decode A/B experiments share: whole greedy decodes of 3N held-out prompts of set v2 (N a category, 128
+"""What the decode A/B experiments share: whole greedy (or seeded sampled) decodes of 3N held-out prompts of set v2 (N a category, 128
 new tokens), each prompt by each method every way in turn (the order reversed every other prompt, so that neither
 way always runs first), and a table of the medians of the per-prompt ratios against the first way. A way is a
 function that puts its variant in place (a patch); the first way is the baseline."""
@@ -11,6 +11,7 @@ from specserve_runtime.bench import held_out_sample, method_spec
 from specserve_runtime.engine import Request
 from specserve_runtime.loader import build_engine
 from specserve_runtime.training.sources import default_prompt_set
+from specserve_runtime.verify import SamplingParams
 
 
 def engines_for(model, methods: tuple[str, ...]) -> dict:
@@ -18,8 +19,9 @@ def engines_for(model, methods: tuple[str, ...]) -> dict:
 
 
 def paired_decodes(model, engines: dict, ways: dict[str, Callable[[], None]], per_category: int,
-                   max_tokens: int = 128) -> None:
-    """engines: method -> the engine (engines_for) whose parts the ways patch."""
+                   max_tokens: int = 128, sampling: SamplingParams = SamplingParams()) -> None:
+    """engines: method -> the engine (engines_for) whose parts the ways patch; sampling: greedy, or seeded samples
+    (the seed the prompt's index, as the bench seeds them)."""
     records = [json.loads(line) for line in default_prompt_set().read_text().splitlines()]
     prompts = [model.encode(record["prompt"]) for record in held_out_sample(records, per_category)]
     methods = tuple(engines)
@@ -31,7 +33,7 @@ def paired_decodes(model, engines: dict, ways: dict[str, Callable[[], None]], pe
         for way in (names if index % 2 == 0 else names[::-1]):
             ways[way]()
             for method in methods:
-                result = engines[method].generate(Request(prompt, max_tokens))
+                result = engines[method].generate(Request(prompt, max_tokens, sampling, seed=index))
                 rates[(way, method)].append((len(result.token_ids) - 1) / result.decode_seconds)
                 prefills[(way, method)].append(result.prefill_seconds)
                 outputs.add((index, tuple(result.token_ids)))

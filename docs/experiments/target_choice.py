@@ -1,10 +1,12 @@
 """One-off measurement: greedy verification's argmax (verify.target_tokens) by torch against blockquant.c's, in
 one process: first each on 1, 4 and 8 rows of 49,152 logits (the target's vocabulary; interleaved in rounds,
 medians), then, with --decode N, whole greedy decodes of 3N held-out prompts by `ar` and the bundled DFlash
-drafter, each prompt both ways in turn (paired_decodes.py).
+drafter, each prompt both ways in turn (paired_decodes.py). With --sampled N instead: seeded decodes at T=0.7
+(--top-p P: and top_p P), the target's token chosen at every verified row in one call (verify.accept) against
+only at the rows the walk reaches, one call a row (measured, not kept).
 
-Run: .venv/bin/python docs/experiments/target_choice.py [--decode 4]   (results in docs/benchmarks.md, "The
-target's choice")
+Run: .venv/bin/python docs/experiments/target_choice.py [--decode 4 | --sampled 4 [--top-p 0.9]]   (results in
+docs/benchmarks.md, "The target's choice")
 """
 
 import statistics
@@ -16,9 +18,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "runtime"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # paired_decodes
-from specserve_runtime import blockquant, verify  # noqa: E402
+from specserve_runtime import blockquant, engine, verify  # noqa: E402
 
 ROUNDS, CALLS, ROWS, VOCABULARY = 15, 200, (1, 4, 8), 49152
+TOP_P = float(sys.argv[sys.argv.index("--top-p") + 1]) if "--top-p" in sys.argv else 1.0
 WAYS = {"torch": lambda logits: logits.argmax(dim=-1), "blockquant.c": blockquant.argmax}
 
 
@@ -39,17 +42,39 @@ def main() -> None:
         t, c = (1e6 * statistics.median(seconds[(name, rows)]) for name in WAYS)
         print(f"| {rows} | {t:.1f} | {c:.1f} | {c / t:.3f} |")
     print("same indices:", same)
-    if "--decode" in sys.argv:
+    if "--decode" in sys.argv or "--sampled" in sys.argv:
         from paired_decodes import engines_for, paired_decodes
         from specserve_runtime.loader import load_model
         from specserve_runtime.store import DEFAULT_MODEL
 
         model = load_model(DEFAULT_MODEL)
-        ways = {name: (lambda argmax=argmax: setattr(verify.blockquant, "argmax", argmax)) for name, argmax in WAYS.items()}
-        try:
-            paired_decodes(model, engines_for(model, ("ar", "dflash")), ways, int(sys.argv[sys.argv.index("--decode") + 1]))
-        finally:
-            verify.blockquant.argmax = WAYS["blockquant.c"]
+        engines = engines_for(model, ("ar", "dflash"))
+        if "--decode" in sys.argv:
+            ways = {name: (lambda argmax=argmax: setattr(verify.blockquant, "argmax", argmax))
+                    for name, argmax in WAYS.items()}
+            try:
+                paired_decodes(model, engines, ways, int(sys.argv[sys.argv.index("--decode") + 1]))
+            finally:
+                verify.blockquant.argmax = WAYS["blockquant.c"]
+        else:
+            ways = {"every row": lambda: setattr(engine, "accept", verify.accept),
+                    "the walk's rows": lambda: setattr(engine, "accept", accept_at_the_walks_rows)}
+            paired_decodes(model, engines, ways, int(sys.argv[sys.argv.index("--sampled") + 1]),
+                           sampling=verify.SamplingParams(0.7, TOP_P))
+
+
+def accept_at_the_walks_rows(drafts, logits, params, uniforms=None):
+    """verify.accept, the target's token chosen only at the rows the walk reaches, each row alone."""
+    depths, chosen = [0] + drafts.depths, {}
+
+    def choice(row: int) -> int:
+        if row not in chosen:
+            uniform = None if uniforms is None else uniforms[depths[row] : depths[row] + 1]
+            chosen[row] = int(verify.target_tokens(logits[row : row + 1], params, uniform)[0])
+        return chosen[row]
+
+    accepted = drafts.accepted(choice)
+    return [choice(row) for row in [0] + [index + 1 for index in accepted]], accepted
 
 
 if __name__ == "__main__":
