@@ -6,6 +6,7 @@ from scipy.stats import chi2
 
 from specserve_runtime.drafters import NoDraft, ProposerOptions, build_proposer
 from specserve_runtime.engine import Engine, Request
+from specserve_runtime import verify
 from specserve_runtime.verify import DraftTree, SamplingParams, accept
 
 from .conftest import ByteTokenizer
@@ -90,6 +91,22 @@ def test_accept_walks_down_the_branch_the_target_agrees_with():
         logits[row, token] = 10.0
     # '1' (the second child), then '2' (again not the first), then the target's 3 after '2': '9' is rejected.
     assert accept(drafts, logits, SamplingParams()) == ([1, 2, 3], [1, 3])
+
+
+@pytest.mark.parametrize("scale", [0.1, 1.0, 3.0, 10.0])
+@pytest.mark.parametrize("top_p", [1e-9, 0.5, 0.9, 0.99])
+def test_the_nucleus_is_the_smallest_set_of_most_likely_tokens_reaching_top_p(scale, top_p):
+    """verify.nucleus (a partial selection, widened until every row's nucleus is inside it) against the definition
+    on a full sort, over distributions from flat (nuclei of tens of thousands of tokens: the search widens many
+    times) to peaked (one or two tokens); the top token always stays."""
+    logits = torch.randn(4, 49152, generator=torch.Generator().manual_seed(int(scale * 10)), dtype=torch.float64)
+    probs = torch.softmax(logits * scale, dim=-1)
+    ordered, order = probs.sort(dim=-1, descending=True)
+    outside = ordered.cumsum(dim=-1) - ordered >= top_p
+    expected = torch.zeros_like(probs).scatter_(-1, order, ordered.masked_fill(outside, 0.0))
+    kept = verify.nucleus(probs, top_p)
+    assert torch.equal(kept, expected)
+    assert torch.equal(kept.argmax(dim=-1), probs.argmax(dim=-1)) and (kept > 0).sum() >= 4
 
 
 def test_a_draft_tree_needs_each_parent_before_its_children():
