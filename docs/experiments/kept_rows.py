@@ -45,26 +45,29 @@ def main() -> None:
     drafter.project_context([(sequence.context_cache, taps)])
     block = drafter.config.block_size
     embeds = target.embed_tokens(torch.tensor([42] + [drafter.config.mask_token_id] * (block - 1)))
-    cos, sin = drafter.rotary(torch.arange(CONTEXT, CONTEXT + block))
+    cos, sin = drafter.rotary.tables(CONTEXT + block)
+    block_positions = torch.arange(CONTEXT, CONTEXT + block)
     everything = torch.ones(block, block, dtype=torch.bool)
     drafting = torch.zeros(block, dtype=torch.bool)
     drafting[1 : 1 + SLOTS] = True
 
     def draft(kept):
         x = embeds.clone()
-        native.run(x, cos, sin, [(sequence.context_cache, everything, None)], kept=kept)
-        return proposer.head.logits(drafter.norm(x[1 : 1 + SLOTS]))
+        _, normed = native.run(x, cos, sin, block_positions, [(sequence.context_cache, everything, None)], kept=kept,
+                               norm=drafter.norm)
+        return proposer.head.logits(normed if kept is not None else normed[1 : 1 + SLOTS])
 
     prompts = {n: torch.randint(0, target.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
                for n in PROMPTS}
 
     def prefill(n, kept):
         x = target.embed_tokens(prompts[n])
-        cos, sin = target.rotary(torch.arange(n))
+        cos, sin = target.rotary.tables(n)
         native_layers = target.native_layers
-        native_layers.run(x, cos, sin, [(target.new_cache(n), torch.ones(n, n, dtype=torch.bool).tril(), None)],
-                          kept=kept)
-        return target.lm_head(target.norm(x[-1:]))
+        _, normed = native_layers.run(x, cos, sin, torch.arange(n),
+                                      [(target.new_cache(n), torch.ones(n, n, dtype=torch.bool).tril(), None)], kept=kept,
+                                      norm=target.norm)
+        return target.lm_head(normed[-1:])
 
     last_only = {n: torch.arange(n) == n - 1 for n in PROMPTS}
     parts = {"drafting (block of 8, head on 3)": (lambda: draft(None), lambda: draft(drafting), CALLS)}

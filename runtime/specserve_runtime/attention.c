@@ -158,18 +158,18 @@ static void attend_heads(const float *const *q, int64_t count, const uint16_t *k
     }
 }
 
-/* The keys (RoPE applied) and values of `rows` new tokens into a layer's cache k/v [kv_heads, capacity, D] at
-   slots cached..cached+rows-1, rounded to float16 (to nearest); head g of row r at k_new[r * k_row + g * k_head]
-   (v_new likewise). */
+/* The keys (RoPE applied: row r at position positions[r] of the tables cos/sin [positions, D]) and values of `rows`
+   new tokens into a layer's cache k/v [kv_heads, capacity, D] at slots cached..cached+rows-1, rounded to float16
+   (to nearest); head g of row r at k_new[r * k_row + g * k_head] (v_new likewise). */
 __attribute__((target("avx512f")))
 void store_keys_values(const float *k_new, int64_t k_row, int64_t k_head, const float *v_new, int64_t v_row,
-                       int64_t v_head, const float *cos, const float *sin, uint16_t *k, uint16_t *v, int64_t capacity,
-                       int64_t kv_heads, int64_t d, int64_t cached, int64_t rows) {
+                       int64_t v_head, const float *cos, const float *sin, const int64_t *positions, uint16_t *k,
+                       uint16_t *v, int64_t capacity, int64_t kv_heads, int64_t d, int64_t cached, int64_t rows) {
     float rotated[d];
     for (int64_t r = 0; r < rows; r++)
         for (int64_t g = 0; g < kv_heads; g++) {
             const int64_t slot = (g * capacity + cached + r) * d;
-            rope(k_new + r * k_row + g * k_head, cos + r * d, sin + r * d, d, rotated);
+            rope(k_new + r * k_row + g * k_head, cos + positions[r] * d, sin + positions[r] * d, d, rotated);
             for (int64_t i = 0; i < d; i += LANES) {
                 _mm256_storeu_si256((__m256i *)(k + slot + i), _mm512_cvtps_ph(_mm512_loadu_ps(rotated + i), ROUND_HALF));
                 _mm256_storeu_si256((__m256i *)(v + slot + i),
@@ -185,15 +185,16 @@ void store_keys_values(const float *k_new, int64_t k_row, int64_t k_head, const 
    - out[rows, heads * D] = each row's query (RoPE applied) attending to the keys its segment's visible and
      cached_visible let it see, as above.
    q, k_new, v_new: head h of row r at q[r * q_row + h * q_head] (views of the fused q/k/v product);
-   cos/sin [rows, D]: each row's position. Query head h reads key head h / (heads / kv_heads).
+   cos/sin [positions, D]: the RoPE tables, row r at position positions[r]. Query head h reads key head
+   h / (heads / kv_heads).
    Every (row, key head) of the whole batch is one item of a single parallel loop: a step of many sequences with
    a row each keeps both threads busy (one sequence has as few items as key heads) and pays one fork and join per
    layer, not one per sequence. An item's arithmetic does not depend on which thread runs it, nor on the others.
    0 on success, -1 for shapes it does not take, -2 when memory runs out. */
 int attention_segments(const float *q, int64_t q_row, int64_t q_head, const float *k_new, int64_t k_row,
                        int64_t k_head, const float *v_new, int64_t v_row, int64_t v_head, const float *cos,
-                       const float *sin, const segment *segments, int64_t n_segments, int64_t layer, int64_t heads,
-                       int64_t kv_heads, int64_t d, float *out) {
+                       const float *sin, const int64_t *positions, const segment *segments, int64_t n_segments,
+                       int64_t layer, int64_t heads, int64_t kv_heads, int64_t d, float *out) {
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx512f") || d % LANES != 0 || heads % kv_heads != 0) return -1;
     int64_t rows = 0, most_keys = 0;
@@ -213,8 +214,8 @@ int attention_segments(const float *q, int64_t q_row, int64_t q_head, const floa
         const int64_t layer_cache = layer * kv_heads * seg->capacity * d;
         first_of[s] = first;
         for (int64_t r = first; r < first + seg->rows; r++) segment_of[r] = s;
-        store_keys_values(k_new + first * k_row, k_row, k_head, v_new + first * v_row, v_row, v_head, cos + first * d,
-                          sin + first * d, seg->k + layer_cache, seg->v + layer_cache, seg->capacity, kv_heads, d,
+        store_keys_values(k_new + first * k_row, k_row, k_head, v_new + first * v_row, v_row, v_head, cos, sin,
+                          positions + first, seg->k + layer_cache, seg->v + layer_cache, seg->capacity, kv_heads, d,
                           seg->cached, seg->rows);
     }
     const float scale = 1.0f / sqrtf((float)d);
@@ -246,7 +247,7 @@ int attention_segments(const float *q, int64_t q_row, int64_t q_head, const floa
             float *outs[QUERIES];
             for (int64_t h = 0; h < count; h++) {
                 float *query = p + QUERIES * stride + h * d;
-                rope(q + row * q_row + (first + h) * q_head, cos + row * d, sin + row * d, d, query);
+                rope(q + row * q_row + (first + h) * q_head, cos + positions[row] * d, sin + positions[row] * d, d, query);
                 queries[h] = query;
                 outs[h] = out + (row * heads + first + h) * d;
             }
@@ -266,9 +267,10 @@ int attention_segments(const float *q, int64_t q_row, int64_t q_head, const floa
    [rows, cached] or NULL (every cached slot). */
 int attention_rows(const float *q, int64_t q_row, int64_t q_head, const float *k_new, int64_t k_row, int64_t k_head,
                    const float *v_new, int64_t v_row, int64_t v_head, const float *cos, const float *sin,
-                   uint16_t *k, uint16_t *v, int64_t capacity, int64_t heads, int64_t kv_heads, int64_t d, int64_t cached,
-                   int64_t rows, const uint8_t *visible, const uint8_t *cached_visible, float *out) {
+                   const int64_t *positions, uint16_t *k, uint16_t *v, int64_t capacity, int64_t heads,
+                   int64_t kv_heads, int64_t d, int64_t cached, int64_t rows, const uint8_t *visible,
+                   const uint8_t *cached_visible, float *out) {
     const segment one = {k, v, capacity, cached, rows, visible, cached_visible};
-    return attention_segments(q, q_row, q_head, k_new, k_row, k_head, v_new, v_row, v_head, cos, sin, &one, 1, 0,
-                              heads, kv_heads, d, out);
+    return attention_segments(q, q_row, q_head, k_new, k_row, k_head, v_new, v_row, v_head, cos, sin, positions, &one,
+                              1, 0, heads, kv_heads, d, out);
 }

@@ -339,3 +339,57 @@ int blockquant_argmax(const float *x, int64_t rows, int64_t n, int64_t *out) {
     for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * n, n);
     return 0;
 }
+
+/* ---- each row's most likely tokens (a drafter's guesses) ---- */
+
+/* The k largest values of x[0..n) and their indices, largest first, the first of equal values first, into values
+   and indices, then each as a log-probability of the row's softmax: x - max - log(sum(exp(x - max))). One pass
+   keeps the k best (a register's lanes are looked at one by one only where one beats the k-th), a second sums the
+   exponentials. NaN never enters. -> how many it holds: k, unless the row has fewer numbers than k. */
+__attribute__((target("avx512f")))
+static int64_t top_log_probs_row(const float *x, int64_t n, int64_t k, float *values, int64_t *indices) {
+    int64_t held = 0;
+    float worst = -INFINITY;  /* the k-th best once k are held: a value must beat it to enter */
+    __m512 most = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < n; i += LANES) {
+        const __mmask16 inside = (__mmask16)((1u << (n - i < LANES ? n - i : LANES)) - 1);
+        const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), inside, x + i);
+        most = _mm512_max_ps(most, v);
+        __mmask16 lanes = held < k ? inside : _mm512_mask_cmp_ps_mask(inside, v, _mm512_set1_ps(worst), _CMP_GT_OQ);
+        for (; lanes; lanes &= lanes - 1) {
+            const int64_t at = i + __builtin_ctz(lanes);
+            const float value = x[at];
+            if (held < k ? value != value : !(value > worst)) continue;  /* NaN; or the k-th rose in this register */
+            int64_t slot = held < k ? held++ : k - 1;  /* appended, or in the k-th's place; then after all >= it */
+            for (; slot > 0 && value > values[slot - 1]; slot--) {
+                values[slot] = values[slot - 1];
+                indices[slot] = indices[slot - 1];
+            }
+            values[slot] = value;
+            indices[slot] = at;
+            if (held == k) worst = values[k - 1];
+        }
+    }
+    const float largest = _mm512_reduce_max_ps(most);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += LANES) {
+        const __mmask16 inside = (__mmask16)((1u << (n - i < LANES ? n - i : LANES)) - 1);
+        const __m512 shifted = _mm512_sub_ps(_mm512_maskz_loadu_ps(inside, x + i), _mm512_set1_ps(largest));
+        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(inside, exp512(shifted)));
+    }
+    const float log_sum = largest + logf(_mm512_reduce_add_ps(sum));
+    for (int64_t j = 0; j < held; j++) values[j] -= log_sum;
+    return held;
+}
+
+/* values, indices [rows, k] = top_log_probs_row of each row of x [rows, n]. Why: torch's log_softmax and topk over
+   a drafter's 8,192-token vocabulary took 100-170 us a step, most of it on caches that the step's products had
+   just evicted (docs/benchmarks.md, "Cold operations"). 0 on success; -1 where the CPU lacks AVX-512, k is not in
+   1..n or a row has fewer than k numbers (the caller uses torch's). */
+int blockquant_top_log_probs(const float *x, int64_t rows, int64_t n, int64_t k, float *values, int64_t *indices) {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx512f") || k < 1 || k > n) return -1;
+    for (int64_t r = 0; r < rows; r++)
+        if (top_log_probs_row(x + r * n, n, k, values + r * k, indices + r * k) < k) return -1;
+    return 0;
+}

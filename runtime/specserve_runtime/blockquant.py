@@ -199,6 +199,22 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def top_log_probs(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k largest entries of x [N, V] as log-probabilities of the row's softmax, largest first, the first
+    of equal ones first -> (values float32 [N, k], their indices int64 [N, k]): blockquant.c's on float32 CPU rows
+    where it runs (AVX-512), else torch's log_softmax and a stable sort (topk does not say which of equal values
+    comes first). Why: torch's log_softmax and topk took 100-170 us of a drafting step, on caches the step's products
+    had evicted (docs/benchmarks.md, "Cold operations")."""
+    kernels = library()
+    if kernels is not None and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
+        rows = x.contiguous()
+        values, indices = torch.empty(rows.shape[0], k), torch.empty(rows.shape[0], k, dtype=torch.int64)
+        if kernels.blockquant_top_log_probs(rows.data_ptr(), *rows.shape, k, values.data_ptr(), indices.data_ptr()) == 0:
+            return values, indices
+    ranked = torch.log_softmax(x.float(), dim=-1).sort(dim=-1, descending=True, stable=True)
+    return ranked.values[..., :k], ranked.indices[..., :k]
+
+
 def int8_switch(name: str, default: str, error: type[Exception]) -> bool:
     """An environment switch for int8 products: 1 on (where the CPU runs them, int8_enabled()), 0 off
     (float32); any other value raises `error`, naming the variable."""
@@ -247,9 +263,12 @@ def library() -> ctypes.CDLL | None:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     kernels.blockquant_argmax.restype = ctypes.c_int
     kernels.blockquant_argmax.argtypes = [pointer, size, size, pointer]
+    kernels.blockquant_top_log_probs.restype = ctypes.c_int
+    kernels.blockquant_top_log_probs.argtypes = [pointer, size, size, size, pointer, pointer]
     kernels.decoder_layers.restype = kernels.dflash_context.restype = ctypes.c_int
-    kernels.decoder_layers.argtypes = [pointer] * 4 + [size] + [pointer] * 3 + [size] + [pointer] * 3
-    kernels.dflash_context.argtypes = [pointer] * 5 + [size] + [pointer] * 4 + [size] * 2
+    kernels.decoder_layers.argtypes = ([pointer] * 4 + [size] + [pointer] * 2 + [size] + [pointer] * 2 + [size]
+                                       + [pointer] * 4 + [ctypes.c_float, pointer])
+    kernels.dflash_context.argtypes = [pointer] * 5 + [size] + [pointer] * 2 + [size] + [pointer] * 2 + [size] * 2
     if kernels.blockquant_best_isa() == 0:
         log.warning("block-quantised kernels need AVX-512 or AVX2 with FMA: float32 weights instead")
         return None

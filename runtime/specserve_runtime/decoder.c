@@ -77,18 +77,21 @@ static int shape_ok(const int8_weight *w, int64_t n_out, int64_t k) {
     return w->n_out == n_out && w->k == k && (w->q4 == 0) != (w->q8 == 0) && (w->q4 == 0 || w->minimum != 0);
 }
 
-/* Runs every layer over x [rows, hidden] (the segments' new rows end to end), in place; cos/sin [rows, D]
-   each row's RoPE tables; embeds [rows, hidden] or NULL: an EAGLE-3 layer's token embeddings beside x, its
+/* Runs every layer over x [rows, hidden] (the segments' new rows end to end), in place; cos/sin [table_rows, D]
+   the RoPE tables, positions [rows] each row's position in them; embeds [rows, hidden] or NULL: an EAGLE-3 layer's token embeddings beside x, its
    features. tapped[layer] != 0: that layer's output goes to taps [rows, n_taps * hidden], taps side by side
    in layer order. kept [rows] or NULL (all): the rows whose output the caller reads; the others only lend the
    last layer their keys and values (every row's go into the caches) and leave x as they entered that layer,
    which then runs its output projection and MLP on the kept rows alone (a prompt's logits need its last row,
-   a DFlash block's only the slots it drafts). 0 on success, -1 for shapes it does not take (nothing written;
-   also a kept subset with the last layer tapped), -2 when memory runs out (the caches may hold some of the new
-   rows' keys: the caller drops the step). */
+   a DFlash block's only the slots it drafts). final_norm [hidden] or NULL: the model's norm after its last layer
+   (epsilon final_eps), which then goes, for the kept rows in order, to normed [kept rows, hidden], the LM head's
+   input: x keeps the layers' output. 0 on success, -1 for shapes it does not take (nothing written; also a kept
+   subset with the last layer tapped), -2 when memory runs out (the caches may hold some of the new rows' keys:
+   the caller drops the step). */
 int decoder_layers(const layer_weights *layers, const model_shape *shape, float *x, const float *embeds,
-                   int64_t rows, const float *cos, const float *sin, const segment *segments, int64_t n_segments,
-                   const uint8_t *tapped, float *taps, const uint8_t *kept) {
+                   int64_t rows, const float *cos, const float *sin, int64_t table_rows, const int64_t *positions,
+                   const segment *segments, int64_t n_segments, const uint8_t *tapped, float *taps, const uint8_t *kept,
+                   const float *final_norm, float final_eps, float *normed) {
     __builtin_cpu_init();
     const int64_t H = shape->hidden, D = shape->head_dim, heads = shape->heads, kv = shape->kv_heads;
     const int64_t I = shape->intermediate, width = (heads + 2 * kv) * D, in = embeds ? 2 * H : H;
@@ -108,6 +111,8 @@ int decoder_layers(const layer_weights *layers, const model_shape *shape, float 
         n_taps += tapped[l] != 0;
     }
     if (total != rows || (kept && tapped[shape->layers - 1])) return -1;
+    for (int64_t r = 0; r < rows; r++)
+        if (positions[r] < 0 || positions[r] >= table_rows) return -1;
 
     int64_t widest = in;  /* the widest input of a product: the scratch for its int8 rows */
     if (I > widest) widest = I;
@@ -138,7 +143,7 @@ int decoder_layers(const layer_weights *layers, const model_shape *shape, float 
                 for (int64_t j = heads; j < heads + kv; j++) rms_norm(row + j * D, w->k_norm, D, shape->eps, row + j * D);
             }
         status = attention_segments(qkv, width, D, qkv + heads * D, width, D, qkv + (heads + kv) * D, width, D, cos, sin,
-                                    segments, n_segments, l, heads, kv, D, attended);
+                                    positions, segments, n_segments, l, heads, kv, D, attended);
         if (status != 0) break;
         /* The rest of the layer works on each row alone: in the last layer, on the kept rows only, gathered into
            kept_x (their attention outputs moved up in place), then put back. */
@@ -169,6 +174,9 @@ int decoder_layers(const layer_weights *layers, const model_shape *shape, float 
             tap++;
         }
     }
+    if (status == 0 && final_norm)
+        for (int64_t r = 0, j = 0; r < rows; r++)
+            if (!kept || kept[r]) rms_norm(x + r * H, final_norm, H, final_eps, normed + j++ * H);
     free(h); free(qkv); free(attended); free(gate_up); free(act); free(out); free(kept_x); free(qx); free(dx);
     free(sx);
     return status;
@@ -176,16 +184,16 @@ int decoder_layers(const layer_weights *layers, const model_shape *shape, float 
 
 /* A DFlash drafter's context: the target's tapped features of `rows` newly committed tokens [rows, k] ->
    h = RMSNorm(features @ fc) * hidden_norm, the same vectors for every layer -> per layer, their keys (Qwen3's
-   k_norm, RoPE at cos/sin [rows, D]) and values into the cache [layers, kv_heads, capacity, D] at slots cached..
-   (the caller advances its length). Only the k/v groups of each fused q/k/v product are read: the context
+   k_norm, RoPE at positions cached.. of the tables cos/sin [table_rows, D]) and values into the cache [layers,
+   kv_heads, capacity, D] at slots cached.. (the caller advances its length). Only the k/v groups of each fused q/k/v product are read: the context
    rows' queries are never used. 0 on success, -1 for shapes it does not take, -2 when memory runs out. */
 int dflash_context(const layer_weights *layers, const model_shape *shape, const int8_weight *fc,
                    const float *hidden_norm, const float *features, int64_t rows, const float *cos, const float *sin,
-                   uint16_t *k, uint16_t *v, int64_t capacity, int64_t cached) {
+                   int64_t table_rows, uint16_t *k, uint16_t *v, int64_t capacity, int64_t cached) {
     __builtin_cpu_init();
     const int64_t H = shape->hidden, D = shape->head_dim, heads = shape->heads, kv = shape->kv_heads;
     if (!__builtin_cpu_supports("avx512vnni") || !shape_ok(fc, H, fc->k) || fc->k % BLOCK || H % BLOCK
-        || D % LANES || (heads * D) % GROUP || cached + rows > capacity)
+        || D % LANES || (heads * D) % GROUP || cached + rows > capacity || cached + rows > table_rows)
         return -1;
     for (int64_t l = 0; l < shape->layers; l++)
         if (!shape_ok(&layers[l].qkv, (heads + 2 * kv) * D, H)) return -1;
@@ -194,8 +202,10 @@ int dflash_context(const layer_weights *layers, const model_shape *shape, const 
     float *kv_rows = malloc(rows * 2 * kv * D * sizeof(float));
     int8_t *qx = malloc(rows * widest);
     float *dx = malloc(rows * (widest / BLOCK) * sizeof(float)), *sx = malloc(rows * (widest / BLOCK) * sizeof(float));
-    const int status = projected && h && kv_rows && qx && dx && sx ? 0 : -2;
+    int64_t *positions = malloc(rows * sizeof(int64_t));
+    const int status = projected && h && kv_rows && qx && dx && sx && positions ? 0 : -2;
     if (status == 0) {
+        for (int64_t r = 0; r < rows; r++) positions[r] = cached + r;
         product(features, rows, fc, projected, qx, dx, sx);
         for (int64_t r = 0; r < rows; r++) rms_norm(projected + r * H, hidden_norm, H, shape->eps, h + r * H);
         for (int64_t l = 0; l < shape->layers; l++) {
@@ -215,10 +225,10 @@ int dflash_context(const layer_weights *layers, const model_shape *shape, const 
                         rms_norm(key, layers[l].k_norm, D, shape->eps, key);
                     }
             const int64_t layer_cache = l * kv * capacity * D;
-            store_keys_values(kv_rows, 2 * kv * D, D, kv_rows + kv * D, 2 * kv * D, D, cos, sin, k + layer_cache,
-                              v + layer_cache, capacity, kv, D, cached, rows);
+            store_keys_values(kv_rows, 2 * kv * D, D, kv_rows + kv * D, 2 * kv * D, D, cos, sin, positions,
+                              k + layer_cache, v + layer_cache, capacity, kv, D, cached, rows);
         }
     }
-    free(projected); free(h); free(kv_rows); free(qx); free(dx); free(sx);
+    free(projected); free(h); free(kv_rows); free(qx); free(dx); free(sx); free(positions);
     return status;
 }

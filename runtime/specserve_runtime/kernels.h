@@ -18,9 +18,10 @@ void int8_product(const float *x, int64_t rows, int64_t k, const uint8_t *q4, co
 /* The caches hold keys and values as float16 bits (half the bytes to read a step; attention.c), rounded to nearest. */
 #define ROUND_HALF (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
+/* RoPE: cos/sin [positions, D] are the whole tables, and positions[r] each new row's position in them. */
 void store_keys_values(const float *k_new, int64_t k_row, int64_t k_head, const float *v_new, int64_t v_row,
-                       int64_t v_head, const float *cos, const float *sin, uint16_t *k, uint16_t *v, int64_t capacity,
-                       int64_t kv_heads, int64_t d, int64_t cached, int64_t rows);
+                       int64_t v_head, const float *cos, const float *sin, const int64_t *positions, uint16_t *k,
+                       uint16_t *v, int64_t capacity, int64_t kv_heads, int64_t d, int64_t cached, int64_t rows);
 
 typedef struct {  /* one sequence's new rows, laid end to end with the others' */
     uint16_t *k, *v;  /* its cache, [layers, kv_heads, capacity, D] each, float16 */
@@ -31,13 +32,14 @@ typedef struct {  /* one sequence's new rows, laid end to end with the others' *
 
 int attention_segments(const float *q, int64_t q_row, int64_t q_head, const float *k_new, int64_t k_row,
                        int64_t k_head, const float *v_new, int64_t v_row, int64_t v_head, const float *cos,
-                       const float *sin, const segment *segments, int64_t n_segments, int64_t layer, int64_t heads,
-                       int64_t kv_heads, int64_t d, float *out);
+                       const float *sin, const int64_t *positions, const segment *segments, int64_t n_segments,
+                       int64_t layer, int64_t heads, int64_t kv_heads, int64_t d, float *out);
 
 int attention_rows(const float *q, int64_t q_row, int64_t q_head, const float *k_new, int64_t k_row, int64_t k_head,
                    const float *v_new, int64_t v_row, int64_t v_head, const float *cos, const float *sin,
-                   uint16_t *k, uint16_t *v, int64_t capacity, int64_t heads, int64_t kv_heads, int64_t d, int64_t cached,
-                   int64_t rows, const uint8_t *visible, const uint8_t *cached_visible, float *out);
+                   const int64_t *positions, uint16_t *k, uint16_t *v, int64_t capacity, int64_t heads,
+                   int64_t kv_heads, int64_t d, int64_t cached, int64_t rows, const uint8_t *visible,
+                   const uint8_t *cached_visible, float *out);
 
 /* exp(x) for x <= 0: Cephes' expf, a range reduction by ln 2 and its polynomial (tests hold the
    attention to SDPA's and the decoder layers to torch's within 1e-5). Below -87.3 the result is

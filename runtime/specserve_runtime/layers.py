@@ -186,10 +186,15 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> (cos, sin), each [T, head_dim]."""
-        needed = int(positions.max()) + 1
-        if needed > self.cos.shape[0]:
-            self._grow(max(needed, 2 * self.cos.shape[0], 1024))
-        return self.cos[positions], self.sin[positions]
+        cos, sin = self.tables(int(positions.max()) + 1)
+        return cos[positions], sin[positions]
+
+    def tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole tables (cos, sin) [at least `length`, head_dim], grown to cover positions 0..length-1: decoder.c
+        reads each row's position in them, so no rows are gathered for it."""
+        if length > self.cos.shape[0]:
+            self._grow(max(length, 2 * self.cos.shape[0], 1024))
+        return self.cos, self.sin
 
     def _grow(self, length: int) -> None:
         freqs = torch.outer(torch.arange(length, dtype=torch.float32), self.inv_freq)

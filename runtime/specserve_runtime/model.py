@@ -126,12 +126,12 @@ class Segment:
     def num_tokens(self) -> int:
         return self.tokens.shape[0]
 
-    def positions(self) -> torch.Tensor:
+    def positions(self) -> list[int]:
         """Each new token's position: its own sequence's, so a tree's siblings share one."""
         start = self.cache.length
         if self.parents is None:
-            return torch.arange(start, start + self.num_tokens)
-        return start - 1 + torch.tensor(tree_depths(self.parents))
+            return list(range(start, start + self.num_tokens))
+        return [start - 1 + depth for depth in tree_depths(self.parents)]
 
     def mask(self) -> torch.Tensor | None:
         if self.parents is None:
@@ -194,7 +194,7 @@ class Transformer(nn.Module):
         """Every segment's logits (its last `num_logits` rows) and taps; each cache grows by its segment."""
         sizes = [segment.num_tokens for segment in batch]
         # Each token's position continues its own sequence, so RoPE and the masks are per segment.
-        cos, sin = self.rotary(torch.cat([segment.positions() for segment in batch]))
+        positions = [position for segment in batch for position in segment.positions()]
         x = self.embed_tokens(torch.cat([segment.tokens for segment in batch]))  # [N, H]
         ends = torch.tensor(sizes).cumsum(0).tolist()
         rows = [row for segment, end in zip(batch, ends) for row in range(end - segment.num_logits, end)]
@@ -204,8 +204,12 @@ class Transformer(nn.Module):
                 kept = torch.zeros(len(x), dtype=torch.bool)
                 kept[rows] = True
             segments = [(s.cache, s.visible(), None) for s in batch]
-            taps = self.native_layers.run(x, cos, sin, segments, tap_layers, kept=kept)  # x in place
+            cos, sin = self.rotary.tables(max(positions) + 1)
+            taps, normed = self.native_layers.run(x, cos, sin, torch.tensor(positions), segments, tap_layers, kept=kept,
+                                                  norm=self.norm)
+            hidden = normed if kept is not None or len(rows) == len(x) else normed[rows]
         else:
+            cos, sin = self.rotary(torch.tensor(positions))
             masks = [segment.mask() for segment in batch]
             tapped_outputs = []
             for i, layer in enumerate(self.layers):
@@ -213,7 +217,8 @@ class Transformer(nn.Module):
                 if i in tap_layers:
                     tapped_outputs.append(x)
             taps = torch.cat(tapped_outputs, dim=-1) if tapped_outputs else None
-        logits = self.lm_head(self.norm(x[rows])).split([segment.num_logits for segment in batch])
+            hidden = self.norm(x[rows])
+        logits = self.lm_head(hidden).split([segment.num_logits for segment in batch])
         tapped = taps.split(sizes) if taps is not None else [None] * len(batch)
         for segment in batch:
             segment.cache.advance(segment.num_tokens)

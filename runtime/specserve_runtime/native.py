@@ -15,6 +15,7 @@ import torch
 from . import blockquant
 from .blockquant import Int8Blocks
 from .kv_cache import KVCache
+from .layers import RMSNorm
 
 pointer, size = ctypes.c_void_p, ctypes.c_int64
 # The caches the C layers read and write hold keys and values as float16: a step of many sequences, or of one
@@ -30,6 +31,15 @@ def cache_dtype(layers: "NativeLayers | None", otherwise: torch.dtype = torch.fl
 def check_cache(cache: KVCache) -> None:
     if cache.k.dtype != CACHE_DTYPE or cache.v.dtype != CACHE_DTYPE:
         raise ValueError(f"decoder.c's caches hold {CACHE_DTYPE}, not {cache.k.dtype}")
+
+
+def check_tables(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> None:
+    for table in (cos, sin):
+        if table.dtype != torch.float32 or not table.is_contiguous() or table.dim() != 2 or table.shape[1] != head_dim:
+            raise ValueError(f"RoPE tables are contiguous float32 [positions, {head_dim}], not {table.dtype} "
+                             f"{tuple(table.shape)}")
+    if cos.shape != sin.shape:
+        raise ValueError(f"the cos and sin tables differ in shape: {tuple(cos.shape)} and {tuple(sin.shape)}")
 
 
 class Int8Weight(ctypes.Structure):  # decoder.c's int8_weight
@@ -86,20 +96,29 @@ class NativeLayers:
                                  ("down", mlp.down_proj)):
                 setattr(weights, name, Int8Weight.of(linear.int8_blocks))
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
             batch: list[tuple[KVCache, torch.Tensor, torch.Tensor | None]], tap_layers: tuple[int, ...] = (),
-            embeds: torch.Tensor | None = None, kept: torch.Tensor | None = None):
-        """x [N, H] (the segments' new rows end to end) through every layer, in place. batch: per segment, its cache,
+            embeds: torch.Tensor | None = None, kept: torch.Tensor | None = None, norm: RMSNorm | None = None
+            ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """x [N, H] (the segments' new rows end to end) through every layer, in place, each row at its position
+        (int64 [N]) of the RoPE tables cos/sin [P, D] (RotaryEmbedding.tables). batch: per segment, its cache,
         `visible` [T, T] bool, the new rows each new row sees, and `cached_visible` [T, cache.length] bool, the cached
         slots each sees, or None: all; its rows' keys and values go into the cache after its length (which is the
         caller's to advance, or not). embeds [N, H]: an EAGLE-3 layer's token embeddings, x being its features.
         kept [N] bool, or None (all): the rows whose output the caller reads; the others skip the last layer's
         output projection and MLP, and come out of it as they went in (the last layer cannot be tapped then).
-        -> the tapped layers' outputs side by side in layer order [N, taps * H], or None."""
+        norm: the model's norm after its last layer, applied here to the kept rows for its LM head, so that no torch
+        operation runs between the layers and the head (right after the layers' products, on caches they evicted,
+        torch's RMSNorm took 4-6 times its warm time: docs/benchmarks.md, "Cold operations").
+        -> (the tapped layers' outputs side by side in layer order [N, taps * H], or None;
+            the kept rows, in order, through `norm` [kept rows, H], or None without it)."""
         for rows in (x, embeds) if embeds is not None else (x,):
             if rows.dtype != torch.float32 or not rows.is_contiguous() or rows.shape != (x.shape[0], self.shape.hidden):
                 raise ValueError(f"decoder_layers take contiguous float32 rows of {self.shape.hidden}, not "
                                  f"{rows.dtype} {tuple(rows.shape)}")
+        check_tables(cos, sin, self.shape.head_dim)
+        if positions.dtype != torch.int64 or positions.shape != (x.shape[0],) or not positions.is_contiguous():
+            raise ValueError(f"positions are contiguous int64 [{x.shape[0]}], not {positions.dtype} {tuple(positions.shape)}")
         masks = []  # as bytes, kept alive through the call
         for cache, visible, cached_visible in batch:
             check_cache(cache)
@@ -116,26 +135,34 @@ class NativeLayers:
             if kept.shape != (x.shape[0],) or kept.dtype != torch.bool:
                 raise ValueError(f"kept marks each of the {x.shape[0]} rows, as bool, not {kept.dtype} {tuple(kept.shape)}")
             kept = kept.to(torch.uint8).contiguous()  # kept alive through the call
+        normed = None
+        if norm is not None:
+            if norm.weight.shape != (self.shape.hidden,) or norm.weight.dtype != torch.float32:
+                raise ValueError(f"the final norm's weight must be float32 [{self.shape.hidden}], not "
+                                 f"{norm.weight.dtype} {tuple(norm.weight.shape)}")
+            normed = torch.empty(int(kept.sum()) if kept is not None else x.shape[0], self.shape.hidden)
         status = blockquant.library().decoder_layers(
             ctypes.byref(self.layers), ctypes.byref(self.shape), x.data_ptr(),
-            embeds.data_ptr() if embeds is not None else None, x.shape[0], cos.data_ptr(), sin.data_ptr(), segments,
-            len(batch), tapped, taps.data_ptr() if taps is not None else None,
-            kept.data_ptr() if kept is not None else None)
+            embeds.data_ptr() if embeds is not None else None, x.shape[0], cos.data_ptr(), sin.data_ptr(), cos.shape[0],
+            positions.data_ptr(), segments, len(batch), tapped, taps.data_ptr() if taps is not None else None,
+            kept.data_ptr() if kept is not None else None, norm.weight.data_ptr() if norm is not None else None,
+            norm.eps if norm is not None else 0.0, normed.data_ptr() if normed is not None else None)
         if status != 0:
             raise ValueError(f"decoder_layers refused {x.shape[0]} rows in {len(batch)} segments: status {status}")
-        return taps
+        return taps, normed
 
     def write_context(self, fc: Int8Blocks, hidden_norm: torch.Tensor, features: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor, cache: KVCache) -> None:
         """A DFlash drafter's context (decoder.c's dflash_context): features [T, k] of T newly committed tokens ->
-        fc, hidden_norm, then each layer's keys (RoPE at cos/sin [T, D]) and values into the cache after its
-        length, which the caller advances."""
+        fc, hidden_norm, then each layer's keys (RoPE at the positions after the cache's length, of the tables
+        cos/sin [P, D]) and values into the cache after its length, which the caller advances."""
         check_cache(cache)
+        check_tables(cos, sin, self.shape.head_dim)
         cache.check_room(features.shape[0])
         features = features.contiguous()
         status = blockquant.library().dflash_context(
             ctypes.byref(self.layers), ctypes.byref(self.shape), ctypes.byref(Int8Weight.of(fc)), hidden_norm.data_ptr(),
-            features.data_ptr(), features.shape[0], cos.data_ptr(), sin.data_ptr(), cache.k.data_ptr(),
+            features.data_ptr(), features.shape[0], cos.data_ptr(), sin.data_ptr(), cos.shape[0], cache.k.data_ptr(),
             cache.v.data_ptr(), cache.capacity, cache.length)
         if status != 0:
             raise ValueError(f"dflash_context refused {features.shape[0]} rows of {features.shape[1]}: status {status}")

@@ -261,3 +261,38 @@ def test_argmax_picks_each_rows_first_largest_value_as_torch_does(rows, n):
     strided = spread.T.contiguous().T  # not contiguous: copied first
     assert torch.equal(blockquant.argmax(strided), spread.argmax(dim=-1))
     assert torch.equal(blockquant.argmax(spread.double()), spread.argmax(dim=-1))  # not float32: torch's
+
+
+@pytest.mark.parametrize("rows, n, k", [(1, 5, 1), (1, 5, 5), (3, 16, 3), (2, 63, 7), (3, 65, 16), (3, 8192, 3),
+                                        (2, 8195, 10)])
+def test_top_log_probs_are_each_rows_best_log_softmax_entries_first_of_equal_first(rows, n, k):
+    """A drafter's guesses (blockquant.c where the CPU has AVX-512, else torch): each row's k largest entries,
+    largest first, as torch's log_softmax values (to its float32 rounding), and where values are equal the first
+    index first, also when the k-th place is contested within one register and in the tail past the last whole 16;
+    -inf entries count. torch's (its stable sort) where blockquant.c does not run ranks them the same way."""
+    generator = torch.Generator().manual_seed(n + k)
+    spread = torch.randn(rows, n, generator=generator) * 4
+    ties = torch.randint(-3, 3, (rows, n), generator=generator).float()  # the best values, many times over
+    tail = torch.zeros(rows, n)
+    tail[:, -1] = tail[:, -3] = 1.0  # the best only past the vector part (when n is not a multiple of 16)
+    for x in (spread, ties, tail):
+        values, indices = blockquant.top_log_probs(x, k)
+        expected = torch.log_softmax(x, dim=-1)
+        assert values.shape == indices.shape == (rows, k) and indices.dtype == torch.int64
+        torch.testing.assert_close(values, expected.gather(1, indices), rtol=0, atol=1e-5)
+        # The right entries: the k-th best value, and no better value left out; equal values by first index.
+        kth = expected.topk(k, dim=-1).values[:, -1:]
+        assert (expected.gather(1, indices) >= kth - 1e-6).all() and (values[:, :-1] >= values[:, 1:]).all()
+        for row in range(rows):
+            ranked = sorted(range(n), key=lambda i: (-float(x[row, i]), i))[:k]  # a stable sort's first k
+            assert indices[row].tolist() == ranked
+    floor = spread.clone()
+    floor[:, 1::2] = -float("inf")  # entries a mask took away: still entries, ranked last, first index first
+    values, indices = blockquant.top_log_probs(floor, k)
+    for row in range(rows):
+        assert indices[row].tolist() == sorted(range(n), key=lambda i: (-float(floor[row, i]), i))[:k]
+    assert torch.isfinite(values[:, : (n + 1) // 2]).all() and (values[:, (n + 1) // 2 :] == -float("inf")).all()
+    double_values, double_indices = blockquant.top_log_probs(spread.double(), k)  # not float32: torch's, the same
+    assert torch.equal(double_indices, blockquant.top_log_probs(spread, k)[1])
+    torch.testing.assert_close(double_values.double(), torch.log_softmax(spread.double(), -1).gather(1, double_indices),
+                               rtol=0, atol=1e-5)

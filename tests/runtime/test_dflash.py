@@ -293,8 +293,9 @@ def test_speculators_loads_the_export_and_computes_the_same_draft_logits(tmp_pat
 @pytest.mark.parametrize("num_nodes", [1, 3, 6, 10])
 def test_draft_tree_holds_the_most_likely_prefixes_of_the_block(num_nodes):
     slots, vocab = 4, 5
-    log_probs = torch.log_softmax(torch.randn(slots, vocab, generator=torch.Generator().manual_seed(num_nodes)), -1)
-    tree = draft_tree(log_probs, num_nodes)
+    logits = torch.randn(slots, vocab, generator=torch.Generator().manual_seed(num_nodes))
+    tree = draft_tree(*blockquant.top_log_probs(logits, min(num_nodes, vocab)), num_nodes)
+    log_probs = torch.log_softmax(logits, -1)
     # Each node's prefix (its branch's tokens, root first) and that prefix's log-probability.
     prefixes = []
     for node, parent in enumerate(tree.parents):

@@ -129,7 +129,7 @@ def test_drafting_in_c_layers_computes_what_the_torch_layer_computes(tiny_llama)
                 mask[0, :CONTEXT] = True
                 mask[0, slot] = True
                 reads.append(drafter(target.embed_tokens(torch.tensor([token])), hidden, [cache], [1],
-                                     torch.tensor([CONTEXT]), [mask]))
+                                     [CONTEXT], [mask]))
         return [context, *reads], cache
 
     try:
@@ -146,5 +146,5 @@ def test_drafting_in_c_layers_computes_what_the_torch_layer_computes(tiny_llama)
     alone = KVCache(1, drafter.config.num_key_value_heads, drafter.config.head_dim, 64, CACHE_DTYPE)
     with torch.inference_mode():
         context = drafter(target.embed_tokens(torch.tensor(tokens[1:])), drafter.fc(taps), [alone], [CONTEXT])
-        first = drafter(target.embed_tokens(torch.tensor([7])), context[-1:], [alone], [1], torch.tensor([CONTEXT]))
+        first = drafter(target.embed_tokens(torch.tensor([7])), context[-1:], [alone], [1], [CONTEXT])
     assert cache.length == CONTEXT + 2 and torch.equal(first, outputs[2])

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from specserve_runtime import blockquant
 from specserve_runtime.errors import ModelError
 from specserve_runtime.kv_cache import KVCache
-from specserve_runtime.layers import RotaryEmbedding, apply_rope, causal_mask, tree_mask
+from specserve_runtime.layers import RMSNorm, RotaryEmbedding, apply_rope, causal_mask, tree_mask
 from specserve_runtime.model import Segment, load_target
 from specserve_runtime.native import CACHE_DTYPE
 from specserve_runtime.verify import tree_depths
@@ -259,18 +259,20 @@ def test_native_layers_compute_what_the_torch_layers_compute(tmp_path, model_typ
             torch.testing.assert_close(ours[:, :, : cache.length], theirs, rtol=0, atol=0.05 * theirs.abs().max().item())
 
 
-def attention_rows(q, k, v, cos, sin, cache_k, cache_v, cached, visible):
+def attention_rows(q, k, v, rotary, positions, cache_k, cache_v, cached, visible):
     """attention.c's kernel for one sequence (decoder.c calls it for all of a batch's at once): q [T, heads, D],
-    k and v [T, kv_heads, D] before RoPE (cos/sin [T, D]) into one layer's float16 cache [kv_heads, capacity, D]
-    after `cached` slots; visible [T, T] -> [T, heads * D]."""
+    k and v [T, kv_heads, D] before RoPE (at positions [T] of rotary's tables) into one layer's float16 cache
+    [kv_heads, capacity, D] after `cached` slots; visible [T, T] -> [T, heads * D]."""
     kernel = blockquant.library().attention_rows
     kernel.restype = ctypes.c_int
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    kernel.argtypes = [pointer, size, size] * 3 + [pointer] * 4 + [size] * 6 + [pointer] * 3
+    kernel.argtypes = [pointer, size, size] * 3 + [pointer] * 5 + [size] * 6 + [pointer] * 3
     (rows, heads, head_dim), visible = q.shape, visible.to(torch.uint8).contiguous()
+    cos, sin = rotary.tables(int(positions.max()) + 1)
     out = torch.empty(rows, heads * head_dim)
     status = kernel(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(),
-                    v.stride(0), v.stride(1), cos.data_ptr(), sin.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(),
+                    v.stride(0), v.stride(1), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), cache_k.data_ptr(),
+                    cache_v.data_ptr(),
                     cache_k.shape[1], heads, cache_k.shape[0], head_dim, cached, rows, visible.data_ptr(), None, out.data_ptr())
     assert status == 0
     return out
@@ -291,9 +293,11 @@ def test_row_exact_attention_is_attention_and_each_row_computes_alone(head_dim, 
     cache_k = torch.randn(kv_heads, capacity, head_dim).to(CACHE_DTYPE)
     cache_v = torch.randn(kv_heads, capacity, head_dim).to(CACHE_DTYPE)
     q, k, v = torch.randn(rows, heads, head_dim), torch.randn(rows, kv_heads, head_dim), torch.randn(rows, kv_heads, head_dim)
-    cos, sin = RotaryEmbedding(head_dim, 10000.0)(cached - 1 + torch.tensor(tree_depths(parents)))
+    rotary = RotaryEmbedding(head_dim, 10000.0)
+    positions = cached - 1 + torch.tensor(tree_depths(parents))
+    cos, sin = rotary(positions)
     written_k, written_v = cache_k.clone(), cache_v.clone()
-    out = attention_rows(q, k, v, cos, sin, written_k, written_v, cached, tree_mask(parents, 0))
+    out = attention_rows(q, k, v, rotary, positions, written_k, written_v, cached, tree_mask(parents, 0))
 
     def heads_first(x):
         return x.transpose(0, 1).unsqueeze(0)  # [T, heads, D] -> [1, heads, T, D]
@@ -310,8 +314,8 @@ def test_row_exact_attention_is_attention_and_each_row_computes_alone(head_dim, 
         seen = mask[row].nonzero().squeeze(1)[:-1]  # the keys before its own
         alone_k, alone_v = torch.zeros_like(cache_k), torch.zeros_like(cache_v)
         alone_k[:, : len(seen)], alone_v[:, : len(seen)] = written_k[:, seen], written_v[:, seen]
-        alone = attention_rows(q[row : row + 1], k[row : row + 1], v[row : row + 1], cos[row : row + 1],
-                               sin[row : row + 1], alone_k, alone_v, len(seen), torch.ones(1, 1, dtype=torch.bool))
+        alone = attention_rows(q[row : row + 1], k[row : row + 1], v[row : row + 1], rotary, positions[row : row + 1],
+                               alone_k, alone_v, len(seen), torch.ones(1, 1, dtype=torch.bool))
         assert torch.equal(alone[0], out[row])
 
 
@@ -329,9 +333,9 @@ def test_keys_scored_eight_at_a_time_score_as_one_alone(n_keys, seed):
     cache_k = key.expand(kv_heads, n_keys + 1, head_dim).to(CACHE_DTYPE).contiguous()
     cache_v = torch.randn(kv_heads, n_keys + 1, head_dim).to(CACHE_DTYPE)
     q, k, v = torch.randn(1, heads, head_dim) * 4, torch.randn(1, kv_heads, head_dim), torch.randn(1, kv_heads, head_dim)
-    cos, sin = RotaryEmbedding(head_dim, 10000.0)(torch.tensor([n_keys]))
     # The new row does not see itself: its keys are the n_keys cached ones alone.
-    out = attention_rows(q, k, v, cos, sin, cache_k, cache_v, n_keys, torch.zeros(1, 1, dtype=torch.bool))
+    out = attention_rows(q, k, v, RotaryEmbedding(head_dim, 10000.0), torch.tensor([n_keys]), cache_k, cache_v, n_keys,
+                         torch.zeros(1, 1, dtype=torch.bool))
     total = torch.zeros(kv_heads, head_dim)
     for n in range(n_keys):
         total = total + cache_v[:, n].float()
@@ -354,15 +358,24 @@ def test_a_forward_past_the_cache_is_refused_and_leaves_it_as_it_was(tiny_target
 
 @needs_vnni
 def test_native_layers_refuse_rows_they_cannot_take(tiny_llama_int8):
-    cache = tiny_llama_int8.new_cache(8)
-    x, tables = torch.randn(3, 64), torch.ones(3, 16)
+    cache, native = tiny_llama_int8.new_cache(8), tiny_llama_int8.native_layers
+    x, tables, positions = torch.randn(3, 64), torch.ones(3, 16), torch.arange(3)
+    causal = torch.ones(3, 3, dtype=torch.bool).tril()
     with pytest.raises(ValueError, match="decoder_layers refused 3 rows in 1 segments: status -1"):
-        tiny_llama_int8.native_layers.run(x, tables, tables, [(cache, torch.ones(2, 2, dtype=torch.bool).tril(), None)])
+        native.run(x, tables, tables, positions, [(cache, torch.ones(2, 2, dtype=torch.bool).tril(), None)])
+    with pytest.raises(ValueError, match="decoder_layers refused 3 rows in 1 segments: status -1"):  # past the tables
+        native.run(x, tables, tables, torch.tensor([0, 1, 3]), [(cache, causal, None)])
     with pytest.raises(ValueError, match=r"contiguous float32 rows of 64, not torch.float32 \(3, 64\)"):
-        tiny_llama_int8.native_layers.run(torch.randn(64, 3).T, tables, tables, [(cache, torch.ones(3, 3, dtype=torch.bool), None)])
+        native.run(torch.randn(64, 3).T, tables, tables, positions, [(cache, torch.ones(3, 3, dtype=torch.bool), None)])
+    with pytest.raises(ValueError, match=r"positions are contiguous int64 \[3\], not torch.int32 \(3,\)"):
+        native.run(x, tables, tables, positions.int(), [(cache, causal, None)])
+    with pytest.raises(ValueError, match=r"RoPE tables are contiguous float32 \[positions, 16\], not torch.float32 \(3, 8\)"):
+        native.run(x, tables[:, :8], tables, positions, [(cache, causal, None)])
+    with pytest.raises(ValueError, match=r"the cos and sin tables differ in shape: \(3, 16\) and \(2, 16\)"):
+        native.run(x, tables, tables[:2], positions, [(cache, causal, None)])
     wide = KVCache(cache.k.shape[0], cache.k.shape[1], cache.k.shape[3], 8)  # float32: not what the C layers read
     with pytest.raises(ValueError, match="decoder.c's caches hold torch.float16, not torch.float32"):
-        tiny_llama_int8.native_layers.run(x, tables, tables, [(wide, torch.ones(3, 3, dtype=torch.bool).tril(), None)])
+        native.run(x, tables, tables, positions, [(wide, causal, None)])
     assert cache.length == 0 and not cache.k.any() and cache.k.dtype == CACHE_DTYPE and not wide.k.any()
 
 
@@ -370,25 +383,30 @@ def test_native_layers_refuse_rows_they_cannot_take(tiny_llama_int8):
 def test_rows_not_kept_skip_the_last_layer_and_the_kept_keep_their_bits(tiny_llama_int8):
     """decoder.c's `kept`: the rows the caller reads come out of the last layer with the bits of a forward of every
     row, every row's keys and values still go into the cache, the others leave the last layer as they entered it
-    (the output of the layer before); a prompt's forward for its last logits (the engine's prefill) uses it."""
+    (the output of the layer before); a prompt's forward for its last logits (the engine's prefill) uses it. With
+    the model's final norm, the kept rows also come out normed, in order, with the same bits however many are kept,
+    and as torch's RMSNorm computes them (up to its summation order)."""
     model, native = tiny_llama_int8, tiny_llama_int8.native_layers
     rows = 7
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(3))
-    cos, sin = model.rotary(torch.arange(rows))
+    cos, sin, positions = *model.rotary.tables(rows), torch.arange(rows)
     causal = torch.ones(rows, rows, dtype=torch.bool).tril()
     kept = torch.tensor([False, True, False, False, True, True, False])
     runs = {}
     for name, mask, taps in (("all", None, (model.config.num_hidden_layers - 2,)), ("kept", kept, ())):
         cache = model.new_cache(rows)
         out = x.clone()
-        tapped = native.run(out, cos, sin, [(cache, causal, None)], taps, kept=mask)
-        runs[name] = out, cache, tapped
-    (every, every_cache, before_last), (some, some_cache, _) = runs["all"], runs["kept"]
+        tapped, normed = native.run(out, cos, sin, positions, [(cache, causal, None)], taps, kept=mask, norm=model.norm)
+        runs[name] = out, cache, tapped, normed
+    (every, every_cache, before_last, every_normed), (some, some_cache, _, some_normed) = runs["all"], runs["kept"]
     assert torch.equal(some[kept], every[kept])
+    assert some_normed.shape == (3, 64) and torch.equal(some_normed, every_normed[kept])
+    torch.testing.assert_close(every_normed, model.norm(every), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(every_normed, every, atol=0.1)  # the norm was applied, not skipped
     assert torch.equal(some[~kept], before_last[~kept])
     assert torch.equal(some_cache.k, every_cache.k) and torch.equal(some_cache.v, every_cache.v)
     none = x.clone()  # a prompt chunk before its last: no logits, only keys and values
-    native.run(none, cos, sin, [(model.new_cache(rows), causal, None)], kept=torch.zeros(rows, dtype=torch.bool))
+    native.run(none, cos, sin, positions, [(model.new_cache(rows), causal, None)], kept=torch.zeros(rows, dtype=torch.bool))
     assert torch.equal(none, before_last)
 
     prompt = torch.tensor([5, 17, 42, 8, 3, 60])
@@ -397,9 +415,11 @@ def test_rows_not_kept_skip_the_last_layer_and_the_kept_keep_their_bits(tiny_lla
 
     last_layer = (model.config.num_hidden_layers - 1,)
     with pytest.raises(ValueError, match="decoder_layers refused 7 rows in 1 segments: status -1"):
-        native.run(x.clone(), cos, sin, [(model.new_cache(rows), causal, None)], last_layer, kept=kept)
+        native.run(x.clone(), cos, sin, positions, [(model.new_cache(rows), causal, None)], last_layer, kept=kept)
     with pytest.raises(ValueError, match=r"kept marks each of the 7 rows, as bool, not torch.int64 \(7,\)"):
-        native.run(x.clone(), cos, sin, [(model.new_cache(rows), causal, None)], kept=kept.long())
+        native.run(x.clone(), cos, sin, positions, [(model.new_cache(rows), causal, None)], kept=kept.long())
+    with pytest.raises(ValueError, match=r"the final norm's weight must be float32 \[64\], not torch.float32 \(32,\)"):
+        native.run(x.clone(), cos, sin, positions, [(model.new_cache(rows), causal, None)], norm=RMSNorm(32, 1e-5))
 
 
 def test_a_bad_target_int8_switch_is_refused_by_name(tiny_llama_blocks_dir, monkeypatch):

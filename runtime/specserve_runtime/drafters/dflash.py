@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .. import native
+from .. import blockquant, native
 from ..kv_cache import KVCache
 from ..layers import RMSNorm, RotaryEmbedding, fuse_projections
 from ..model import DecoderLayer, ModelConfig, Transformer
@@ -220,11 +220,12 @@ class DFlashDrafter(nn.Module):
         """Inference: each sequence's newly committed target taps [C, L*H] projected into its context keys/values,
         written after its cache's length, which then covers them."""
         sizes = [taps.shape[0] for _, taps in pending]
-        positions = [torch.arange(cache.length, cache.length + size) for (cache, _), size in zip(pending, sizes)]
-        if self.native_layers is not None:
-            for (cache, taps), at in zip(pending, positions):
-                self.native_layers.write_context(self.fc.int8_blocks, self.hidden_norm.weight, taps, *self.rotary(at), cache)
+        if self.native_layers is not None:  # each sequence's rows at the positions after its cache's length
+            for (cache, taps), size in zip(pending, sizes):
+                tables = self.rotary.tables(cache.length + size)
+                self.native_layers.write_context(self.fc.int8_blocks, self.hidden_norm.weight, taps, *tables, cache)
         else:  # all sequences' rows in one pass through the products
+            positions = [torch.arange(cache.length, cache.length + size) for (cache, _), size in zip(pending, sizes)]
             projected = self.context_kv(torch.cat([taps for _, taps in pending]), torch.cat(positions))
             for layer, (k, v) in enumerate(projected):
                 for (cache, _), k_s, v_s in zip(pending, k.split(sizes, 2), v.split(sizes, 2)):
@@ -245,29 +246,34 @@ class DFlashDrafter(nn.Module):
     def draft_hidden(self, block_embeds: torch.Tensor, caches: list[KVCache], slots: int) -> torch.Tensor:
         """Inference: the blocks of len(caches) sequences, end to end, each placed right after its context (the
         cache's keys/values) -> the normalised hidden states [len(caches), slots, H] of each block's slots
-        1..slots, the ones that draft, as forward() computes them."""
+        1..slots, the ones that draft, as forward() computes them (slots at most the block's B - 1: a tree may
+        have more nodes than the block has slots)."""
         block_size = block_embeds.shape[0] // len(caches)
-        positions = torch.cat([torch.arange(cache.length, cache.length + block_size) for cache in caches])
+        slots = min(slots, block_size - 1)
+        positions = [cache.length + slot for cache in caches for slot in range(block_size)]
         if self.native_layers is None:
             contexts = [[cache.get(layer) for layer in range(len(self.layers))] for cache in caches]
-            x = self(block_embeds, positions, contexts)
+            x = self(block_embeds, torch.tensor(positions), contexts)
             return x.view(len(caches), block_size, -1)[:, 1 : 1 + slots]
         # decoder.c: each block row sees all of its context and all of its block, no mask. The block's keys and
         # values go into the cache's slots after the context, which the cache's length never covers: the next
         # context projection overwrites them. The last layer's output is computed for the drafting slots only: the
         # others (the last token's row, the slots past the deepest draft) lend it only their keys and values.
-        cos, sin = self.rotary(positions)
+        cos, sin = self.rotary.tables(max(positions) + 1)
         x = block_embeds.clone()  # decoder.c works in place; the caller keeps its embeddings
         everything = torch.ones(block_size, block_size, dtype=torch.bool)
         drafting = torch.zeros(len(caches), block_size, dtype=torch.bool)
         drafting[:, 1 : 1 + slots] = True
-        self.native_layers.run(x, cos, sin, [(cache, everything, None) for cache in caches], kept=drafting.flatten())
-        return self.norm(x.view(len(caches), block_size, -1)[:, 1 : 1 + slots])
+        _, normed = self.native_layers.run(x, cos, sin, torch.tensor(positions),
+                                           [(cache, everything, None) for cache in caches], kept=drafting.flatten(),
+                                           norm=self.norm)
+        return normed.view(len(caches), slots, -1)
 
 
-def draft_tree(log_probs: torch.Tensor, num_nodes: int) -> DraftTree:
-    """The `num_nodes` most likely prefixes of a block, as a tree, from the drafter's
-    log-probabilities [slots, V] of each slot.
+def draft_tree(log_probs: torch.Tensor, ids: torch.Tensor, num_nodes: int) -> DraftTree:
+    """The `num_nodes` most likely prefixes of a block, as a tree, from each slot's most likely tokens `ids`
+    [slots, k] and their log-probabilities [slots, k] by the drafter, largest first (blockquant.top_log_probs
+    with k = min(num_nodes, V): no tree of num_nodes needs a slot's guess past its num_nodes-th).
 
     DFlash predicts every slot in one forward, from the context and the mask tokens, not from the
     guesses before it: slot k's distribution is the drafter's marginal for the token k places
@@ -277,8 +283,7 @@ def draft_tree(log_probs: torch.Tensor, num_nodes: int) -> DraftTree:
     and every node's parent precedes it. A chain of the slots' top tokens is the tree whose every
     slot is sure; where slot 1 hesitates, its second guess outranks slot 3's first.
     """
-    top = log_probs.topk(min(num_nodes, log_probs.shape[-1]), dim=-1)
-    scores, ids = top.values.tolist(), top.indices.tolist()
+    scores, ids = log_probs.tolist(), ids.tolist()
     tokens: list[int] = []
     parents: list[int] = []
     # Frontier of prefixes not yet in the tree: (-log-probability, slot, rank at that slot, parent node).
@@ -332,9 +337,13 @@ class DFlashProposer(ModelProposer):
         # or tree, reaches deeper than its sequence's count.
         hidden = self.drafter.draft_hidden(self.target.embed_tokens(blocks.flatten()), caches, max(counts))
         logits = self.head.logits(hidden)
-        if self.tree:
-            log_probs = iter(torch.log_softmax(logits.float(), dim=-1))
-            trees = [draft_tree(next(log_probs)[:count], count) if count > 0 else None for count in counts]
+        if self.tree:  # every drafting sequence's slots' most likely guesses, in one call
+            width = min(max(counts), logits.shape[-1])
+            log_probs, ids = (top.view(*logits.shape[:2], width)
+                              for top in blockquant.top_log_probs(logits.view(-1, logits.shape[-1]), width))
+            drafted = iter(zip(log_probs, ids))  # one per sequence with a count above 0
+            trees = [draft_tree(*(top[:count, :count] for top in next(drafted)), count) if count > 0 else None
+                     for count in counts]
             return [DraftTree(self.head.to_target(torch.tensor(tree.tokens)).tolist(), tree.parents) if tree else []
                     for tree in trees]
         guesses = iter(self.head.to_target(logits.argmax(dim=-1)).tolist())

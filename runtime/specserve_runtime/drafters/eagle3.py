@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .. import native
+from .. import blockquant, native
 from ..kv_cache import KVCache
 from ..layers import MLP, Attention, RMSNorm, RotaryEmbedding, causal_mask, fuse_projections
 from ..model import ModelConfig, Transformer
@@ -132,22 +132,22 @@ class Eagle3Drafter(nn.Module):
         self.native_layers: native.NativeLayers | None = None  # decoder.c for drafting, on int8 products (build_eagle3)
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, caches: list[KVCache], sizes: list[int],
-                positions: torch.Tensor | None = None, masks: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+                positions: list[int] | None = None, masks: list[torch.Tensor | None] | None = None) -> torch.Tensor:
         """embeds, features [N, H]: the next sizes[i] drafter positions of sequence i, end to end ->
         hidden states [N, H] (before the norm). One matrix product per weight for all sequences;
         attention per sequence, on its own cache. Positions and masks: the cache's next slots,
         causal, unless given (a draft tree's nodes)."""
         if positions is None:
-            positions = torch.cat([torch.arange(cache.length, cache.length + size) for cache, size in zip(caches, sizes)])
-        cos, sin = self.rotary(positions)
+            positions = [cache.length + i for cache, size in zip(caches, sizes) for i in range(size)]
         if self.native_layers is None:
-            hidden = self.midlayer(embeds, features, cos, sin, caches, sizes, masks)
+            hidden = self.midlayer(embeds, features, *self.rotary(torch.tensor(positions)), caches, sizes, masks)
         else:  # decoder.c, in place on a copy of the features; a mask [size, cache.length + size] splits at the cache
             hidden = features.clone(memory_format=torch.contiguous_format)
             batch = [(cache, torch.ones(size, size, dtype=torch.bool).tril(), None) if mask is None
                      else (cache, mask[:, cache.length :], mask[:, : cache.length])
                      for cache, size, mask in zip(caches, sizes, masks or [None] * len(caches))]
-            self.native_layers.run(hidden, cos, sin, batch, embeds=embeds.contiguous())
+            cos, sin = self.rotary.tables(max(positions) + 1)
+            self.native_layers.run(hidden, cos, sin, torch.tensor(positions), batch, embeds=embeds.contiguous())
         for cache, size in zip(caches, sizes):
             cache.advance(size)
         return hidden
@@ -247,8 +247,8 @@ class Eagle3Proposer(ModelProposer):
         read = [(k, -1) for k in range(len(drafting))]  # (sequence, draft) of each row of `hidden`
         width = max(limit for _, _, _, limit in drafting) if self.tree else 1
         while True:
-            top = torch.log_softmax(self.head.logits(self.drafter.norm(hidden)).float(), dim=-1).topk(width, dim=-1)
-            log_probs, guesses = top.values.tolist(), self.head.to_target(top.indices).tolist()
+            log_probs, ids = blockquant.top_log_probs(self.head.logits(self.drafter.norm(hidden)), width)
+            log_probs, guesses = log_probs.tolist(), self.head.to_target(ids).tolist()
             going = []
             for row, (k, draft) in enumerate(read):
                 grown[k].expand(draft, hidden[row], log_probs[row], guesses[row])
@@ -260,8 +260,7 @@ class Eagle3Proposer(ModelProposer):
             inputs = [grown[k].read_newest(drafting[k][1].cache.length) for k in going]
             tokens, states, positions, masks = zip(*inputs)
             hidden = self.drafter(self.target.embed_tokens(torch.tensor(tokens)), torch.stack(states),
-                                  [drafting[k][1].cache for k in going], [1] * len(going),
-                                  torch.tensor(positions), list(masks))
+                                  [drafting[k][1].cache for k in going], [1] * len(going), list(positions), list(masks))
             read = [(k, len(grown[k].tokens) - 1) for k in going]
         for (i, _, _, _), tree in zip(drafting, grown):
             drafts[i] = DraftTree(tree.tokens, tree.parents) if self.tree else tree.tokens

@@ -12,6 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .. import blockquant
 from ..drafters import Proposer, propose_all
 from ..drafters.dflash import DFlashDrafter, draft_tree
 from ..drafters.eagle3 import Eagle3Drafter
@@ -63,7 +64,8 @@ def tree_accepted(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tenso
     after a draft at depth d is the data's label d + 1 (IGNORE, never a draft, where it has none)."""
     counts = []
     for anchor_logits, anchor_labels, anchor_valid in zip(logits, labels.tolist(), valid.tolist()):
-        tree = draft_tree(torch.log_softmax(anchor_logits[:num_nodes].float(), dim=-1), num_nodes)
+        tree = draft_tree(*blockquant.top_log_probs(anchor_logits[:num_nodes], min(num_nodes, logits.shape[-1])),
+                          num_nodes)
         depths = [0] + tree.depths  # of each row: 0 the anchor, 1 + i draft i
         label = [token if ok else IGNORE for token, ok in zip(anchor_labels, anchor_valid)] + [IGNORE]
         counts.append(len(tree.accepted(lambda row: label[depths[row]])))
