@@ -2,13 +2,14 @@
 10% and more within a minute (runs of the same build differ more than most changes do), so runs of one build after
 the other cannot resolve a change of a few percent; here each checkout runs in a worker process of its own, with
 its model loaded once, and the two take turns on every prompt (the order reversed every other prompt), only one
-running at a time. Greedy decodes of 3N held-out prompts of set v2 (N a category, 128 new tokens) by each method:
+running at a time. Greedy (or, with --temperature T, seeded sampled: the seed the prompt's index) decodes of 3N
+held-out prompts of set v2 (N a category, 128 new tokens) by each method:
 per version the median decode speed, the medians of the per-prompt ratios new / base, and of each method's speed
 over `ar` in its own version; and whether both versions gave every prompt the same tokens.
 
 Run: git worktree add /tmp/base REV
-     .venv/bin/python docs/experiments/versions_ab.py /tmp/base . [N] [METHODS]   (METHODS: ar,dflash by default;
-     results in docs/benchmarks.md, "Cold operations")
+     .venv/bin/python docs/experiments/versions_ab.py /tmp/base . [N] [METHODS] [--temperature T]   (METHODS:
+     ar,dflash by default; results in docs/benchmarks.md, "Cold operations")
 """
 
 import json
@@ -18,7 +19,7 @@ import sys
 from pathlib import Path
 
 
-def worker(root: Path, methods: list[str]) -> None:
+def worker(root: Path, methods: list[str], per_category: int, temperature: float) -> None:
     """Loads the checkout's engines, then for each line of stdin, "<prompt index> <method>", decodes that prompt and
     answers one line of JSON."""
     sys.path.insert(0, str(root / "runtime"))
@@ -27,8 +28,8 @@ def worker(root: Path, methods: list[str]) -> None:
     from specserve_runtime.loader import build_engine, load_model
     from specserve_runtime.store import DEFAULT_MODEL
     from specserve_runtime.training.sources import default_prompt_set
+    from specserve_runtime.verify import SamplingParams
 
-    per_category = int(sys.argv[4])
     model = load_model(DEFAULT_MODEL)
     records = [json.loads(line) for line in default_prompt_set().read_text().splitlines()]
     prompts = [model.encode(record["prompt"]) for record in held_out_sample(records, per_category)]
@@ -38,17 +39,23 @@ def worker(root: Path, methods: list[str]) -> None:
     print(json.dumps({"prompts": len(prompts)}), flush=True)
     for line in sys.stdin:
         index, method = line.split()
-        result = engines[method].generate(Request(prompts[int(index)], 128))
+        result = engines[method].generate(Request(prompts[int(index)], 128, SamplingParams(temperature), seed=int(index)))
         print(json.dumps({"decode": (len(result.token_ids) - 1) / result.decode_seconds,
                           "tokens": result.token_ids}), flush=True)
 
 
 def main() -> None:
+    temperature = "0"
+    if "--temperature" in sys.argv:
+        at = sys.argv.index("--temperature")
+        temperature = sys.argv.pop(at + 1)
+        sys.argv.pop(at)
     base, new = Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve()
     per_category = sys.argv[3] if len(sys.argv) > 3 else "4"
     methods = (sys.argv[4] if len(sys.argv) > 4 else "ar,dflash").split(",")
     versions = {"base": base, "new": new}
-    workers = {name: subprocess.Popen([sys.executable, __file__, "--worker", str(root), ",".join(methods), per_category],
+    workers = {name: subprocess.Popen([sys.executable, __file__, "--worker", str(root), ",".join(methods), per_category,
+                                       temperature],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                for name, root in versions.items()}
     counts = {json.loads(process.stdout.readline())["prompts"] for process in workers.values()}
@@ -83,6 +90,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "--worker":
-        worker(Path(sys.argv[2]), sys.argv[3].split(","))
+        worker(Path(sys.argv[2]), sys.argv[3].split(","), int(sys.argv[4]), float(sys.argv[5]))
     else:
         main()

@@ -393,3 +393,71 @@ int blockquant_top_log_probs(const float *x, int64_t rows, int64_t n, int64_t k,
         if (top_log_probs_row(x + r * n, n, k, values + r * k, indices + r * k) < k) return -1;
     return 0;
 }
+
+/* ---- a sample of each row's softmax (the target's choice at T > 0) ---- */
+
+/* A token of x[0..n) drawn with the uniform number u in [0, 1) from softmax(x / T), inverse_t = 1 / T, by inverting
+   its cumulative distribution: weights w_i = exp((x_i - max) / T) (float32, 0 for x_i = -inf; into the scratch w
+   [n rounded up to 16]), summed per 16 in one fixed order and those sums added up in float64, first to last; token
+   i is chosen iff u * total falls in its interval of the cumulative sums, so each token is drawn with probability
+   w_i / total. Within the 16 holding u * total the scan adds in float64 again: a last-bit shortfall against the
+   16's sum (about 1e-7 of it) goes to the last token of weight above 0 there. -> the token, or -1 for a row with
+   NaN or +inf, or every value -inf. */
+__attribute__((target("avx512f")))
+static int64_t sample_row(const float *x, int64_t n, float inverse_t, double u, float *w, double *sums) {
+    __m512 most = _mm512_set1_ps(-INFINITY);
+    __mmask16 broken = 0;
+    for (int64_t i = 0; i < n; i += LANES) {
+        const __mmask16 inside = (__mmask16)((1u << (n - i < LANES ? n - i : LANES)) - 1);
+        const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), inside, x + i);
+        broken |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v, _mm512_set1_ps(INFINITY), _CMP_EQ_OQ);
+        most = _mm512_max_ps(most, v);
+    }
+    const float top = _mm512_reduce_max_ps(most);
+    if (broken || top == -INFINITY) return -1;
+    const __m512 largest = _mm512_set1_ps(top), scale = _mm512_set1_ps(inverse_t);
+    const int64_t groups = (n + LANES - 1) / LANES;
+    double total = 0.0;
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t i = g * LANES;
+        const __mmask16 inside = (__mmask16)((1u << (n - i < LANES ? n - i : LANES)) - 1);
+        const __m512 v = _mm512_maskz_loadu_ps(inside, x + i);
+        const __mmask16 counted = _mm512_mask_cmp_ps_mask(inside, v, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+        const __m512 weights = _mm512_maskz_mov_ps(counted, exp512(_mm512_mul_ps(_mm512_sub_ps(v, largest), scale)));
+        _mm512_storeu_ps(w + i, weights);
+        total += (double)_mm512_reduce_add_ps(weights);
+        sums[g] = total;  /* the cumulative sum up to the end of group g */
+    }
+    const double threshold = u * total;
+    int64_t g = 0;
+    while (g < groups - 1 && !(sums[g] > threshold)) g++;
+    double cumulative = g > 0 ? sums[g - 1] : 0.0;
+    int64_t last = -1;  /* the group's last token of weight above 0 */
+    for (int64_t i = g * LANES; i < n && i < (g + 1) * LANES; i++) {
+        if (!(w[i] > 0.0f)) continue;
+        last = i;
+        cumulative += (double)w[i];
+        if (cumulative > threshold) return i;
+    }
+    return last;
+}
+
+/* out[r] = sample_row of row r of x [rows, n] with uniforms[r]. Why: torch's float64 softmax, cumulative sum and
+   search took 270 us for one row of the target's 49,152 logits and 540 us for a verify of 6 (docs/benchmarks.md,
+   "Cold operations"). 0 on success; -1 where the CPU lacks AVX-512, inverse_t is not above 0, a row has NaN or +inf
+   or nothing but -inf, or memory runs out (the caller uses torch's). */
+int blockquant_sample(const float *x, int64_t rows, int64_t n, float inverse_t, const double *uniforms, int64_t *out) {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx512f") || !(inverse_t > 0.0f) || n < 1) return -1;
+    const int64_t groups = (n + LANES - 1) / LANES;
+    float *w = malloc(groups * LANES * sizeof(float));
+    double *sums = malloc(groups * sizeof(double));
+    int status = w && sums ? 0 : -1;
+    for (int64_t r = 0; r < rows && status == 0; r++) {
+        out[r] = sample_row(x + r * n, n, inverse_t, uniforms[r], w, sums);
+        if (out[r] < 0) status = -1;
+    }
+    free(w);
+    free(sums);
+    return status;
+}

@@ -215,6 +215,22 @@ def top_log_probs(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ranked.values[..., :k], ranked.indices[..., :k]
 
 
+def sample(x: torch.Tensor, temperature: float, uniforms: torch.Tensor) -> torch.Tensor | None:
+    """A token of each row of x [N, V] drawn from softmax(x / temperature) with that row's uniform number in [0, 1)
+    (float64 [N]), by inverting the cumulative distribution -> int64 [N]: blockquant.c's on float32 CPU rows where it
+    runs (AVX-512), else None (the caller samples in torch; also for a row with NaN or +inf). Why: torch's float64
+    softmax, cumulative sum and search took 270 us a row of the target's 49,152 logits (docs/benchmarks.md, "Cold
+    operations")."""
+    kernels = library()
+    if kernels is None or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    rows, weights = x.contiguous(), uniforms.to(torch.float64).contiguous()
+    out = torch.empty(rows.shape[0], dtype=torch.int64)
+    if kernels.blockquant_sample(rows.data_ptr(), *rows.shape, 1.0 / temperature, weights.data_ptr(), out.data_ptr()) != 0:
+        return None
+    return out
+
+
 def int8_switch(name: str, default: str, error: type[Exception]) -> bool:
     """An environment switch for int8 products: 1 on (where the CPU runs them, int8_enabled()), 0 off
     (float32); any other value raises `error`, naming the variable."""
@@ -265,6 +281,8 @@ def library() -> ctypes.CDLL | None:
     kernels.blockquant_argmax.argtypes = [pointer, size, size, pointer]
     kernels.blockquant_top_log_probs.restype = ctypes.c_int
     kernels.blockquant_top_log_probs.argtypes = [pointer, size, size, size, pointer, pointer]
+    kernels.blockquant_sample.restype = ctypes.c_int
+    kernels.blockquant_sample.argtypes = [pointer, size, size, ctypes.c_float, pointer, pointer]
     kernels.decoder_layers.restype = kernels.dflash_context.restype = ctypes.c_int
     kernels.decoder_layers.argtypes = ([pointer] * 4 + [size] + [pointer] * 2 + [size] + [pointer] * 2 + [size]
                                        + [pointer] * 4 + [ctypes.c_float, pointer])

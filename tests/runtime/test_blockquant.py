@@ -5,6 +5,7 @@ import torch
 
 from specserve_runtime import blockquant
 from specserve_runtime.layers import BLOCKQUANT_MAX_ROWS, PackedLinear, weight_layouts
+from specserve_runtime.verify import SamplingParams, target_tokens
 
 from .conftest import gguf_values
 
@@ -296,3 +297,33 @@ def test_top_log_probs_are_each_rows_best_log_softmax_entries_first_of_equal_fir
     assert torch.equal(double_indices, blockquant.top_log_probs(spread, k)[1])
     torch.testing.assert_close(double_values.double(), torch.log_softmax(spread.double(), -1).gather(1, double_indices),
                                rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 5, 17, 4096, 49157])
+def test_a_sample_inverts_the_softmaxs_cumulative_distribution_as_torch_does(n):
+    """The target's choice at T > 0 (blockquant.c where the CPU has AVX-512): for every uniform number the token whose
+    interval of softmax(x / T)'s cumulative distribution holds it, the same token as torch's float64 inversion
+    except within float32 rounding of an edge between two tokens; a token of logit -inf is never drawn; a row with
+    NaN or +inf is left to torch (None)."""
+    generator = torch.Generator().manual_seed(n)
+    x = torch.randn(3, n, generator=generator) * 3
+    x[:, ::7] = -float("inf") if n > 1 else x[:, ::7]
+    uniforms = torch.rand(3, 400, dtype=torch.float64, generator=generator)
+    temperature = 0.7
+    cdf = torch.softmax(x.double() / temperature, dim=-1).cumsum(dim=-1)
+    cdf = cdf / cdf[:, -1:]
+    for column in range(uniforms.shape[1]):
+        u = uniforms[:, column].contiguous()
+        chosen = target_tokens(x, SamplingParams(temperature), u)  # blockquant.sample's, or torch's without AVX-512
+        expected = torch.searchsorted(cdf, u.unsqueeze(-1), right=True).squeeze(-1).clamp(max=n - 1)
+        edge = (cdf - u.unsqueeze(-1)).abs().min(dim=-1).values  # how near u lies to an edge between two tokens
+        assert torch.equal(chosen[edge > 1e-5], expected[edge > 1e-5])
+        assert torch.isfinite(x.gather(1, chosen.unsqueeze(1))).all()
+    in_c = blockquant.sample(x, temperature, uniforms[:, 0].contiguous())
+    assert (in_c is not None) == (blockquant.best_isa() >= 2)  # where AVX-512 runs, the kernel's choice is the one above
+    broken = x.clone()
+    broken[1, 0] = float("nan")
+    assert blockquant.sample(broken, temperature, uniforms[:, 0]) is None
+    broken[1, 0] = float("inf")
+    assert blockquant.sample(broken, temperature, uniforms[:, 0]) is None
+    assert blockquant.sample(x.double(), temperature, uniforms[:, 0]) is None  # not float32: torch's
