@@ -185,14 +185,22 @@ def linear(x: torch.Tensor, blocks: Blocks | Int8Blocks, isa: int | None = None)
     return out.reshape(*x.shape[:-1], n)
 
 
+def row_kernels(x: torch.Tensor) -> tuple[ctypes.CDLL | None, torch.Tensor]:
+    """The kernels and x's rows, contiguous, where blockquant.c's row operations (argmax, top_log_probs, sample) run on
+    x: the library loaded and x float32 [N, V] on the CPU; else (None, x), and the caller takes torch's path."""
+    kernels = library()
+    if kernels is None or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+        return None, x
+    return kernels, x.contiguous()
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """Each row's argmax of x [N, V] -> int64 [N], the first of equal maxima (torch.argmax's rule): blockquant.c's
     on float32 CPU rows where it runs (AVX-512), else torch's. Why: torch's took 60-90 us a row of the target's
     49,152 logits, and greedy verification takes one a verified row (docs/benchmarks.md, "The target's choice")."""
-    kernels = library()
-    if kernels is None or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+    kernels, rows = row_kernels(x)
+    if kernels is None:
         return x.argmax(dim=-1)
-    rows = x.contiguous()
     out = torch.empty(rows.shape[0], dtype=torch.int64)
     if kernels.blockquant_argmax(rows.data_ptr(), rows.shape[0], rows.shape[1], out.data_ptr()) != 0:
         return x.argmax(dim=-1)
@@ -205,9 +213,8 @@ def top_log_probs(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     where it runs (AVX-512), else torch's log_softmax and a stable sort (topk does not say which of equal values
     comes first). Why: torch's log_softmax and topk took 100-170 us of a drafting step, on caches the step's products
     had evicted (docs/benchmarks.md, "Cold operations")."""
-    kernels = library()
-    if kernels is not None and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
-        rows = x.contiguous()
+    kernels, rows = row_kernels(x)
+    if kernels is not None:
         values, indices = torch.empty(rows.shape[0], k), torch.empty(rows.shape[0], k, dtype=torch.int64)
         if kernels.blockquant_top_log_probs(rows.data_ptr(), *rows.shape, k, values.data_ptr(), indices.data_ptr()) == 0:
             return values, indices
@@ -221,10 +228,10 @@ def sample(x: torch.Tensor, temperature: float, uniforms: torch.Tensor) -> torch
     runs (AVX-512), else None (the caller samples in torch; also for a row with NaN or +inf). Why: torch's float64
     softmax, cumulative sum and search took 270 us a row of the target's 49,152 logits (docs/benchmarks.md, "Cold
     operations")."""
-    kernels = library()
-    if kernels is None or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+    kernels, rows = row_kernels(x)
+    if kernels is None:
         return None
-    rows, weights = x.contiguous(), uniforms.to(torch.float64).contiguous()
+    weights = uniforms.to(torch.float64).contiguous()
     out = torch.empty(rows.shape[0], dtype=torch.int64)
     if kernels.blockquant_sample(rows.data_ptr(), *rows.shape, 1.0 / temperature, weights.data_ptr(), out.data_ptr()) != 0:
         return None
