@@ -245,13 +245,13 @@ def tree_mask(parents: list[int], num_cached: int) -> torch.Tensor:
     the new token that token i follows, -1 for the cached ones): each sees the cached positions,
     its ancestors and itself, never another branch."""
     size = len(parents)
-    mask = torch.zeros(size, num_cached + size, dtype=torch.bool)
-    mask[:, :num_cached] = True
+    rows: list[list[bool]] = []  # the new tokens each sees, as Python lists: one torch operation, not two a token
     for index, parent in enumerate(parents):  # parents come first, so their rows are complete
-        if parent >= 0:
-            mask[index] |= mask[parent]
-        mask[index, num_cached + index] = True
-    return mask
+        row = list(rows[parent]) if parent >= 0 else [False] * size
+        row[index] = True
+        rows.append(row)
+    new = torch.tensor(rows, dtype=torch.bool).view(size, size)
+    return torch.cat([torch.ones(size, num_cached, dtype=torch.bool), new], dim=1) if num_cached else new
 
 
 class Attention(nn.Module):

@@ -10,6 +10,7 @@ to end (no padding), so every matrix product reads the weights once for the whol
 only attention runs per sequence, against that sequence's own KV cache.
 """
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,7 +197,7 @@ class Transformer(nn.Module):
         # Each token's position continues its own sequence, so RoPE and the masks are per segment.
         positions = [position for segment in batch for position in segment.positions()]
         x = self.embed_tokens(torch.cat([segment.tokens for segment in batch]))  # [N, H]
-        ends = torch.tensor(sizes).cumsum(0).tolist()
+        ends = list(itertools.accumulate(sizes))
         rows = [row for segment, end in zip(batch, ends) for row in range(end - segment.num_logits, end)]
         if self.native_layers is not None:
             kept = None  # a prompt's rows before its last lend the last layer only their keys and values

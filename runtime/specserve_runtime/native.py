@@ -33,6 +33,14 @@ def check_cache(cache: KVCache) -> None:
         raise ValueError(f"decoder.c's caches hold {CACHE_DTYPE}, not {cache.k.dtype}")
 
 
+def bool_bytes(mask: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
+    """A bool mask of this shape, contiguous, whose bytes decoder.c reads (torch stores a bool as one byte, 0 or 1:
+    no conversion to uint8 is needed)."""
+    if mask.dtype != torch.bool or mask.shape != shape:
+        raise ValueError(f"{name} is a bool mask {shape}, not {mask.dtype} {tuple(mask.shape)}")
+    return mask.contiguous()
+
+
 def check_tables(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> None:
     for table in (cos, sin):
         if table.dtype != torch.float32 or not table.is_contiguous() or table.dim() != 2 or table.shape[1] != head_dim:
@@ -119,12 +127,14 @@ class NativeLayers:
         check_tables(cos, sin, self.shape.head_dim)
         if positions.dtype != torch.int64 or positions.shape != (x.shape[0],) or not positions.is_contiguous():
             raise ValueError(f"positions are contiguous int64 [{x.shape[0]}], not {positions.dtype} {tuple(positions.shape)}")
-        masks = []  # as bytes, kept alive through the call
+        masks = []  # kept alive through the call; decoder.c reads a bool tensor's bytes (0 or 1) as they are
         for cache, visible, cached_visible in batch:
             check_cache(cache)
             cache.check_room(visible.shape[0])
-            masks.append([mask.to(torch.uint8).contiguous() if mask is not None else None
-                          for mask in (visible, cached_visible)])
+            rows = visible.shape[0]
+            masks.append([bool_bytes(visible, (rows, rows), "visible"),
+                          bool_bytes(cached_visible, (rows, cache.length), "cached_visible")
+                          if cached_visible is not None else None])
         segments = (SegmentView * len(batch))(*(
             SegmentView(cache.k.data_ptr(), cache.v.data_ptr(), cache.capacity, cache.length, visible.shape[0],
                         visible.data_ptr(), cached_visible.data_ptr() if cached_visible is not None else None)
@@ -132,9 +142,7 @@ class NativeLayers:
         tapped = bytes(layer in tap_layers for layer in range(self.shape.layers))
         taps = torch.empty(x.shape[0], sum(tapped) * self.shape.hidden) if any(tapped) else None
         if kept is not None:
-            if kept.shape != (x.shape[0],) or kept.dtype != torch.bool:
-                raise ValueError(f"kept marks each of the {x.shape[0]} rows, as bool, not {kept.dtype} {tuple(kept.shape)}")
-            kept = kept.to(torch.uint8).contiguous()  # kept alive through the call
+            kept = bool_bytes(kept, (x.shape[0],), "kept")  # kept alive through the call
         normed = None
         if norm is not None:
             if norm.weight.shape != (self.shape.hidden,) or norm.weight.dtype != torch.float32:

@@ -416,8 +416,14 @@ def test_rows_not_kept_skip_the_last_layer_and_the_kept_keep_their_bits(tiny_lla
     last_layer = (model.config.num_hidden_layers - 1,)
     with pytest.raises(ValueError, match="decoder_layers refused 7 rows in 1 segments: status -1"):
         native.run(x.clone(), cos, sin, positions, [(model.new_cache(rows), causal, None)], last_layer, kept=kept)
-    with pytest.raises(ValueError, match=r"kept marks each of the 7 rows, as bool, not torch.int64 \(7,\)"):
+    with pytest.raises(ValueError, match=r"kept is a bool mask \(7,\), not torch.int64 \(7,\)"):
         native.run(x.clone(), cos, sin, positions, [(model.new_cache(rows), causal, None)], kept=kept.long())
+    with pytest.raises(ValueError, match=r"visible is a bool mask \(7, 7\), not torch.uint8 \(7, 7\)"):
+        native.run(x.clone(), cos, sin, positions, [(model.new_cache(rows), causal.to(torch.uint8), None)])
+    with pytest.raises(ValueError, match=r"visible is a bool mask \(6, 6\), not torch.bool \(6, 7\)"):
+        native.run(x.clone(), cos, sin, positions, [(model.new_cache(rows), causal[:6], None)])
+    with pytest.raises(ValueError, match=r"cached_visible is a bool mask \(7, 0\), not torch.bool \(7, 3\)"):
+        native.run(x.clone(), cos, sin, positions, [(model.new_cache(rows), causal, torch.ones(rows, 3, dtype=torch.bool))])
     with pytest.raises(ValueError, match=r"the final norm's weight must be float32 \[64\], not torch.float32 \(32,\)"):
         native.run(x.clone(), cos, sin, positions, [(model.new_cache(rows), causal, None)], norm=RMSNorm(32, 1e-5))
 

@@ -247,7 +247,8 @@ class DFlashDrafter(nn.Module):
         """Inference: the blocks of len(caches) sequences, end to end, each placed right after its context (the
         cache's keys/values) -> the normalised hidden states [len(caches), slots, H] of each block's slots
         1..slots, the ones that draft, as forward() computes them (slots at most the block's B - 1: a tree may
-        have more nodes than the block has slots)."""
+        have more nodes than the block has slots). decoder.c works in place: block_embeds [N, H] (contiguous
+        float32) are overwritten."""
         block_size = block_embeds.shape[0] // len(caches)
         slots = min(slots, block_size - 1)
         positions = [cache.length + slot for cache in caches for slot in range(block_size)]
@@ -260,13 +261,10 @@ class DFlashDrafter(nn.Module):
         # context projection overwrites them. The last layer's output is computed for the drafting slots only: the
         # others (the last token's row, the slots past the deepest draft) lend it only their keys and values.
         cos, sin = self.rotary.tables(max(positions) + 1)
-        x = block_embeds.clone()  # decoder.c works in place; the caller keeps its embeddings
         everything = torch.ones(block_size, block_size, dtype=torch.bool)
-        drafting = torch.zeros(len(caches), block_size, dtype=torch.bool)
-        drafting[:, 1 : 1 + slots] = True
-        _, normed = self.native_layers.run(x, cos, sin, torch.tensor(positions),
-                                           [(cache, everything, None) for cache in caches], kept=drafting.flatten(),
-                                           norm=self.norm)
+        drafting = torch.tensor([0 < slot <= slots for _ in caches for slot in range(block_size)])
+        _, normed = self.native_layers.run(block_embeds, cos, sin, torch.tensor(positions),
+                                           [(cache, everything, None) for cache in caches], kept=drafting, norm=self.norm)
         return normed.view(len(caches), slots, -1)
 
 
@@ -330,12 +328,14 @@ class DFlashProposer(ModelProposer):
         self._project_context([proposer for proposer, _ in drafting])
         # The context covers every committed token but the last, so each block starts at that token.
         cfg, block_size = self.drafter.config, self.drafter.config.block_size
-        blocks = torch.full((len(drafting), block_size), cfg.mask_token_id)
-        blocks[:, 0] = torch.tensor([tokens[-1] for _, tokens in drafting])
+        embeddings = self.target.embed_tokens.weight
+        # Each block: that token, then mask tokens, embedded in a new tensor (draft_hidden overwrites it).
+        block_embeds = embeddings[cfg.mask_token_id].repeat(len(drafting) * block_size, 1)
+        block_embeds[::block_size] = embeddings[[tokens[-1] for _, tokens in drafting]]
         caches = [proposer.context_cache for proposer, _ in drafting]
         # Slot i (i >= 1) predicts the token i places after the last committed one. No draft, chain
         # or tree, reaches deeper than its sequence's count.
-        hidden = self.drafter.draft_hidden(self.target.embed_tokens(blocks.flatten()), caches, max(counts))
+        hidden = self.drafter.draft_hidden(block_embeds, caches, max(counts))
         logits = self.head.logits(hidden)
         if self.tree:  # every drafting sequence's slots' most likely guesses, in one call
             width = min(max(counts), logits.shape[-1])
@@ -354,7 +354,8 @@ class DFlashProposer(ModelProposer):
         keys/values, for all sequences at once (DFlashDrafter.project_context); they never change afterwards."""
         pending = [proposer for proposer in proposers if proposer.pending]
         if pending:
-            self.drafter.project_context([(proposer.context_cache, torch.cat(proposer.pending)) for proposer in pending])
+            self.drafter.project_context([(proposer.context_cache, proposer.pending[0] if len(proposer.pending) == 1
+                                           else torch.cat(proposer.pending)) for proposer in pending])
         for proposer in pending:
             proposer.pending = []
 
