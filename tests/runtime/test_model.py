@@ -423,7 +423,8 @@ def test_rows_not_kept_skip_the_last_layer_and_the_kept_keep_their_bits(tiny_lla
     with pytest.raises(ValueError, match=r"visible is a bool mask \(6, 6\), not torch.bool \(6, 7\)"):
         native.run(x.clone(), cos, sin, positions, [(model.new_cache(rows), causal[:6], None)])
     with pytest.raises(ValueError, match=r"cached_visible is a bool mask \(7, 0\), not torch.bool \(7, 3\)"):
-        native.run(x.clone(), cos, sin, positions, [(model.new_cache(rows), causal, torch.ones(rows, 3, dtype=torch.bool))])
+        wide = torch.ones(rows, 3, dtype=torch.bool)
+        native.run(x.clone(), cos, sin, positions, [(model.new_cache(rows), causal, wide)])
     with pytest.raises(ValueError, match=r"the final norm's weight must be float32 \[64\], not torch.float32 \(32,\)"):
         native.run(x.clone(), cos, sin, positions, [(model.new_cache(rows), causal, None)], norm=RMSNorm(32, 1e-5))
 

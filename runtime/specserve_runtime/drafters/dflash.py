@@ -263,8 +263,9 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary.tables(max(positions) + 1)
         everything = torch.ones(block_size, block_size, dtype=torch.bool)
         drafting = torch.tensor([0 < slot <= slots for _ in caches for slot in range(block_size)])
-        _, normed = self.native_layers.run(block_embeds, cos, sin, torch.tensor(positions),
-                                           [(cache, everything, None) for cache in caches], kept=drafting, norm=self.norm)
+        segments = [(cache, everything, None) for cache in caches]
+        _, normed = self.native_layers.run(block_embeds, cos, sin, torch.tensor(positions), segments, kept=drafting,
+                                           norm=self.norm)
         return normed.view(len(caches), slots, -1)
 
 
