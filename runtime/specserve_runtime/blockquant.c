@@ -396,15 +396,80 @@ int blockquant_top_log_probs(const float *x, int64_t rows, int64_t n, int64_t k,
 
 /* ---- a sample of each row's softmax (the target's choice at T > 0) ---- */
 
+/* A token and its weight. Most likely first, then the lower index: a total order, so the nucleus is one set of
+   tokens whatever the selection's path to it. */
+typedef struct {
+    float w;
+    int32_t i;
+} weighted;
+
+static inline int ahead(weighted a, weighted b) { return a.w > b.w || (a.w == b.w && a.i < b.i); }
+
+static int by_likelihood(const void *a, const void *b) {
+    const weighted x = *(const weighted *)a, y = *(const weighted *)b;
+    return x.i == y.i ? 0 : ahead(x, y) ? -1 : 1;
+}
+
+static int by_index(const void *a, const void *b) {
+    const weighted x = *(const weighted *)a, y = *(const weighted *)b;
+    return (x.i > y.i) - (x.i < y.i);
+}
+
+/* An estimate of the mass of the weights w[0..n) (n a multiple of 16) at or above `bound`: float32 sums. */
+__attribute__((target("avx512f")))
+static float mass_from(const float *w, int64_t n, float bound) {
+    const __m512 least = _mm512_set1_ps(bound);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += LANES) {
+        const __m512 v = _mm512_loadu_ps(w + i);
+        sum = _mm512_mask_add_ps(sum, _mm512_cmp_ps_mask(v, least, _CMP_GE_OQ), sum, v);
+    }
+    return _mm512_reduce_add_ps(sum);
+}
+
+/* top_p's nucleus of the weights w[0..n) (n a multiple of 16, total their sum, the largest about 1): most likely
+   first, every token whose mass before it is below top_p * total (the most likely always) -> how many, their tokens
+   in t[0..count) in index order (t: room for n). Looked for among the tokens at or above a bound, the largest power of
+   2 at or above which the weights' estimated mass reaches top_p * total, halved until one of them is outside: then
+   so is every less likely token. Why: a selection or a sort of all 49,152 took longer than the rest of the sample. */
+__attribute__((target("avx512f")))
+static int64_t nucleus(const float *w, int64_t n, double total, double top_p, weighted *t) {
+    const double reach = top_p * total;
+    float bound = 1.0f;
+    while (bound > 0.0f && (double)mass_from(w, n, bound) < reach) bound *= 0.5f;
+    for (;;) {
+        const __m512 least = _mm512_set1_ps(bound);
+        int64_t count = 0, kept;
+        for (int64_t i = 0; i < n; i += LANES) {
+            const __m512 v = _mm512_loadu_ps(w + i);
+            const __mmask16 above = _mm512_cmp_ps_mask(v, least, _CMP_GE_OQ);
+            for (__mmask16 m = above & _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GT_OQ); m; m &= m - 1) {
+                const int64_t j = i + __builtin_ctz(m);
+                t[count++] = (weighted){w[j], (int32_t)j};
+            }
+        }
+        qsort(t, count, sizeof *t, by_likelihood);
+        double before = 0.0;  /* the mass of the tokens more likely than token `kept` */
+        for (kept = 0; kept < count && before < reach; kept++) before += (double)t[kept].w;
+        if (kept < count || bound == 0.0f) {
+            qsort(t, kept, sizeof *t, by_index);
+            return kept;
+        }
+        bound *= 0.5f;  /* every token at or above the bound is in: look below it too */
+    }
+}
+
 /* A token of x[0..n) drawn with the uniform number u in [0, 1) from softmax(x / T), inverse_t = 1 / T, by inverting
    its cumulative distribution: weights w_i = exp((x_i - max) / T) (float32, 0 for x_i = -inf; into the scratch w
    [n rounded up to 16]), summed per 16 in one fixed order and those sums added up in float64, first to last; token
    i is chosen iff u * total falls in its interval of the cumulative sums, so each token is drawn with probability
    w_i / total. Within the 16 holding u * total the scan adds in float64 again: a last-bit shortfall against the
-   16's sum (about 1e-7 of it) goes to the last token of weight above 0 there. -> the token, or -1 for a row with
-   NaN or +inf, or every value -inf. */
+   16's sum (about 1e-7 of it) goes to the last token of weight above 0 there. With top_p < 1, only top_p's nucleus
+   (nucleus(), t its scratch) is drawn from, in index order, its weights summed in float64 one by one (a shortfall
+   to its last token). -> the token, or -1 for a row with NaN or +inf, or every value -inf. */
 __attribute__((target("avx512f")))
-static int64_t sample_row(const float *x, int64_t n, float inverse_t, double u, float *w, double *sums) {
+static int64_t sample_row(const float *x, int64_t n, float inverse_t, double top_p, double u, float *w, double *sums,
+                          weighted *t) {
     __m512 most = _mm512_set1_ps(-INFINITY);
     __mmask16 broken = 0;
     for (int64_t i = 0; i < n; i += LANES) {
@@ -428,6 +493,18 @@ static int64_t sample_row(const float *x, int64_t n, float inverse_t, double u, 
         total += (double)_mm512_reduce_add_ps(weights);
         sums[g] = total;  /* the cumulative sum up to the end of group g */
     }
+    if (top_p < 1.0) {
+        const int64_t count = nucleus(w, groups * LANES, total, top_p, t);
+        double mass = 0.0;
+        for (int64_t j = 0; j < count; j++) mass += (double)t[j].w;
+        const double threshold = u * mass;
+        double cumulative = 0.0;
+        for (int64_t j = 0; j < count; j++) {
+            cumulative += (double)t[j].w;
+            if (cumulative > threshold) return t[j].i;
+        }
+        return t[count - 1].i;
+    }
     const double threshold = u * total;
     int64_t g = 0;
     while (g < groups - 1 && !(sums[g] > threshold)) g++;
@@ -442,22 +519,28 @@ static int64_t sample_row(const float *x, int64_t n, float inverse_t, double u, 
     return last;
 }
 
-/* out[r] = sample_row of row r of x [rows, n] with uniforms[r]. Why: torch's float64 softmax, cumulative sum and
-   search took 270 us for one row of the target's 49,152 logits and 540 us for a verify of 6 (docs/benchmarks.md,
-   "Cold operations"). 0 on success; -1 where the CPU lacks AVX-512, inverse_t is not above 0, a row has NaN or +inf
-   or nothing but -inf, or memory runs out (the caller uses torch's). */
-int blockquant_sample(const float *x, int64_t rows, int64_t n, float inverse_t, const double *uniforms, int64_t *out) {
+/* out[r] = sample_row of row r of x [rows, n] with uniforms[r], top_p in (0, 1] (1: every token). Why: torch's
+   float64 softmax, cumulative sum and search took 270 us for one row of the target's 49,152 logits and 540 us for a
+   verify of 6, and a nucleus 0.4 ms more a row (docs/benchmarks.md, "Cold operations", "top_p in C"). 0 on success;
+   -1 where the CPU lacks AVX-512, inverse_t is not above 0, top_p is outside (0, 1], n does not fit an int32, a row
+   has NaN or +inf or nothing but -inf, or memory runs out (the caller uses torch's). */
+int blockquant_sample(const float *x, int64_t rows, int64_t n, float inverse_t, double top_p, const double *uniforms,
+                      int64_t *out) {
     __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx512f") || !(inverse_t > 0.0f) || n < 1) return -1;
+    if (!__builtin_cpu_supports("avx512f") || !(inverse_t > 0.0f) || !(top_p > 0.0 && top_p <= 1.0) || n < 1
+        || n > INT32_MAX)
+        return -1;
     const int64_t groups = (n + LANES - 1) / LANES;
     float *w = malloc(groups * LANES * sizeof(float));
     double *sums = malloc(groups * sizeof(double));
-    int status = w && sums ? 0 : -1;
+    weighted *t = top_p < 1.0 ? malloc(n * sizeof(weighted)) : NULL;
+    int status = w && sums && (t || top_p == 1.0) ? 0 : -1;
     for (int64_t r = 0; r < rows && status == 0; r++) {
-        out[r] = sample_row(x + r * n, n, inverse_t, uniforms[r], w, sums);
+        out[r] = sample_row(x + r * n, n, inverse_t, top_p, uniforms[r], w, sums, t);
         if (out[r] < 0) status = -1;
     }
     free(w);
     free(sums);
+    free(t);
     return status;
 }

@@ -222,18 +222,20 @@ def top_log_probs(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ranked.values[..., :k], ranked.indices[..., :k]
 
 
-def sample(x: torch.Tensor, temperature: float, uniforms: torch.Tensor) -> torch.Tensor | None:
+def sample(x: torch.Tensor, temperature: float, uniforms: torch.Tensor, top_p: float = 1.0) -> torch.Tensor | None:
     """A token of each row of x [N, V] drawn from softmax(x / temperature) with that row's uniform number in [0, 1)
-    (float64 [N]), by inverting the cumulative distribution -> int64 [N]: blockquant.c's on float32 CPU rows where it
-    runs (AVX-512), else None (the caller samples in torch; also for a row with NaN or +inf). Why: torch's float64
-    softmax, cumulative sum and search took 270 us a row of the target's 49,152 logits (docs/benchmarks.md, "Cold
-    operations")."""
+    (float64 [N]), by inverting the cumulative distribution -> int64 [N]; with top_p < 1 from the row's nucleus only
+    (the most likely tokens whose mass before them is below top_p, the first of equal ones first), in index order:
+    blockquant.c's on float32 CPU rows where it runs (AVX-512), else None (the caller samples in torch; also for a
+    row with NaN or +inf). Why: torch's float64 softmax, cumulative sum and search took 270 us a row of the target's
+    49,152 logits, and its nucleus 0.4 ms more (docs/benchmarks.md, "Cold operations", "top_p in C")."""
     kernels, rows = row_kernels(x)
     if kernels is None:
         return None
     weights = uniforms.to(torch.float64).contiguous()
     out = torch.empty(rows.shape[0], dtype=torch.int64)
-    if kernels.blockquant_sample(rows.data_ptr(), *rows.shape, 1.0 / temperature, weights.data_ptr(), out.data_ptr()) != 0:
+    if kernels.blockquant_sample(rows.data_ptr(), *rows.shape, 1.0 / temperature, top_p, weights.data_ptr(),
+                                 out.data_ptr()) != 0:
         return None
     return out
 
@@ -289,7 +291,7 @@ def library() -> ctypes.CDLL | None:
     kernels.blockquant_top_log_probs.restype = ctypes.c_int
     kernels.blockquant_top_log_probs.argtypes = [pointer, size, size, size, pointer, pointer]
     kernels.blockquant_sample.restype = ctypes.c_int
-    kernels.blockquant_sample.argtypes = [pointer, size, size, ctypes.c_float, pointer, pointer]
+    kernels.blockquant_sample.argtypes = [pointer, size, size, ctypes.c_float, ctypes.c_double, pointer, pointer]
     kernels.decoder_layers.restype = kernels.dflash_context.restype = ctypes.c_int
     kernels.decoder_layers.argtypes = ([pointer] * 4 + [size] + [pointer] * 2 + [size] + [pointer] * 2 + [size]
                                        + [pointer] * 4 + [ctypes.c_float, pointer])

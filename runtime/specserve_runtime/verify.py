@@ -112,11 +112,11 @@ def _mix(seed: int, position: int) -> int:
 
 def target_tokens(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """The target's choice at every row of logits [N, V] -> [N]: argmax, or a sample per row drawn with
-    that row's uniform number [N] by inverting the cumulative distribution (exact sampling): without top_p in
-    blockquant.c where it runs (blockquant.sample), else as below."""
+    that row's uniform number [N] by inverting the cumulative distribution (exact sampling), over top_p's nucleus
+    where top_p < 1: in blockquant.c where it runs (blockquant.sample), else as below."""
     if params.temperature == 0:
         return blockquant.argmax(logits)
-    if params.top_p == 1 and (chosen := blockquant.sample(logits, params.temperature, uniforms)) is not None:
+    if (chosen := blockquant.sample(logits, params.temperature, uniforms, params.top_p)) is not None:
         return chosen
     probs = torch.softmax(logits.double() / params.temperature, dim=-1)
     if params.top_p < 1:

@@ -14,6 +14,8 @@ pytestmark = pytest.mark.skipif(not blockquant.enabled(), reason="needs a C comp
 # Every instruction-set path this CPU runs: both on an AVX-512 machine.
 ISAS = [isa for isa in (1, 2) if isa <= blockquant.best_isa()]
 needs_vnni = pytest.mark.skipif(not blockquant.int8_enabled(), reason="int8 activations need AVX-512 VNNI")
+# blockquant.c's sampling; elsewhere torch's path samples (test_engine)
+needs_avx512 = pytest.mark.skipif(blockquant.best_isa() < 2, reason="blockquant.c samples on AVX-512 only")
 
 
 def random_weight(rows: int, columns: int, fmt: str, seed: int = 0) -> torch.Tensor:
@@ -327,3 +329,49 @@ def test_a_sample_inverts_the_softmaxs_cumulative_distribution_as_torch_does(n):
     broken[1, 0] = float("inf")
     assert blockquant.sample(broken, temperature, uniforms[:, 0]) is None
     assert blockquant.sample(x.double(), temperature, uniforms[:, 0]) is None  # not float32: torch's
+
+
+@needs_avx512
+@pytest.mark.parametrize("n", [1, 5, 17, 4096, 49157])
+@pytest.mark.parametrize("scale, fraction", [(3.0, 0.9), (3.0, 0.3), (0.3, 0.99), (20.0, 0.5)])
+def test_a_nucleus_sample_draws_from_the_most_likely_tokens_reaching_top_p_as_torch_does(n, scale, fraction):
+    """With top_p < 1, blockquant.c draws from the nucleus only: the most likely tokens whose mass before them is
+    below top_p (the most likely always), by inverting their cumulative distribution in index order: for every
+    uniform number the token torch's float64 definition (a stable sort of the whole row) gives, except within 1e-6
+    of an edge between two tokens; from broad distributions (nuclei of tens of thousands of
+    tokens) to peaked ones. Each row's top_p lies halfway between two tokens' cumulative mass, so float rounding
+    cannot move the nucleus's edge."""
+    generator = torch.Generator().manual_seed(n + int(scale * 10))
+    x = torch.randn(3, n, generator=generator) * scale
+    x[:, 3::7] = -float("inf")
+    uniforms = torch.rand(400, dtype=torch.float64, generator=generator)
+    temperature = 0.7
+    for row in x:
+        probs = torch.softmax(row.double() / temperature, dim=-1)
+        ordered, order = probs.sort(descending=True, stable=True)
+        before = ordered.cumsum(dim=-1) - ordered
+        last = max(int((before < fraction).sum()) - 1, 0)  # the last token inside at top_p = fraction
+        top_p = float(before[last] + ordered[last] / 2) if last + 1 < n else 1.0 - 1e-12
+        inside = torch.zeros(n, dtype=torch.bool)
+        inside[order[: last + 1]] = True
+        cdf = torch.where(inside, probs, 0.0).cumsum(dim=-1)
+        cdf = cdf / cdf[-1]
+        edge = (cdf.unsqueeze(0) - uniforms.unsqueeze(1)).abs().min(dim=-1).values
+        expected = torch.searchsorted(cdf, uniforms, right=True).clamp(max=n - 1)
+        chosen = torch.cat([blockquant.sample(row.unsqueeze(0), temperature, u.reshape(1), top_p) for u in uniforms])
+        assert inside[chosen].all()  # never a token outside the nucleus, never one of logit -inf
+        away = edge > 1e-6  # C's cumulative sums of float32 weights are within about 1e-7 of torch's float64 ones
+        assert torch.equal(chosen[away], expected[away])
+        assert away.sum() > 300
+
+
+@needs_avx512
+def test_a_nucleus_of_equal_tokens_takes_the_first_and_the_target_choice_samples_through_it():
+    """Equal weights are taken lowest index first: 8 equal logits at top_p 0.3 keep tokens 0, 1 and 2 (the mass
+    before each below 0.3), each drawn with a third of the uniform numbers; verify.target_tokens samples through it."""
+    x = torch.zeros(1, 8)
+    for u, token in ((0.0, 0), (0.32, 0), (0.34, 1), (0.66, 1), (0.67, 2), (0.999, 2)):
+        uniform = torch.tensor([u], dtype=torch.float64)
+        assert blockquant.sample(x, 1.0, uniform, 0.3).item() == token
+        assert target_tokens(x, SamplingParams(1.0, top_p=0.3), uniform).item() == token
+    assert blockquant.sample(x, 1.0, torch.tensor([0.5], dtype=torch.float64), 1.5) is None  # top_p out of range
