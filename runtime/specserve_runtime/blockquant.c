@@ -531,16 +531,26 @@ int blockquant_sample(const float *x, int64_t rows, int64_t n, float inverse_t, 
         || n > INT32_MAX)
         return -1;
     const int64_t groups = (n + LANES - 1) / LANES;
-    float *w = malloc(groups * LANES * sizeof(float));
-    double *sums = malloc(groups * sizeof(double));
-    weighted *t = top_p < 1.0 ? malloc(n * sizeof(weighted)) : NULL;
-    int status = w && sums && (t || top_p == 1.0) ? 0 : -1;
-    for (int64_t r = 0; r < rows && status == 0; r++) {
-        out[r] = sample_row(x + r * n, n, inverse_t, top_p, uniforms[r], w, sums, t);
-        if (out[r] < 0) status = -1;
+    int failed = 0;
+    /* the rows of a verify on every thread: each row's draw is its own, whichever thread takes it */
+    #pragma omp parallel if (rows > 1) reduction(|:failed)
+    {
+        float *w = malloc(groups * LANES * sizeof(float));
+        double *sums = malloc(groups * sizeof(double));
+        weighted *t = top_p < 1.0 ? malloc(n * sizeof(weighted)) : NULL;
+        const int ready = w && sums && (t || top_p == 1.0);
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < rows; r++) {
+            if (!ready) {  /* still take part in the loop: every thread must reach it */
+                failed = 1;
+                continue;
+            }
+            out[r] = sample_row(x + r * n, n, inverse_t, top_p, uniforms[r], w, sums, t);
+            if (out[r] < 0) failed = 1;
+        }
+        free(w);
+        free(sums);
+        free(t);
     }
-    free(w);
-    free(sums);
-    free(t);
-    return status;
+    return failed ? -1 : 0;
 }
