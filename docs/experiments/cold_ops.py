@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -40,6 +41,28 @@ def torch_top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return top.values, top.indices
 
 
+def warm_and_cold(cases: dict[str, Callable[[], object]], rounds: int = ROUNDS, calls: int = CALLS
+                  ) -> dict[str, tuple[float, float]]:
+    """Each case's seconds a call, warm (called again and again) and cold (right after 64 MB were written, as a
+    step's products stream the weights through the caches): medians of `rounds` interleaved rounds of `calls`."""
+    streamed = torch.empty(64 << 20, dtype=torch.uint8)
+    warm, cold = {name: [] for name in cases}, {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, case in cases.items():
+            started = time.perf_counter()
+            for _ in range(calls):
+                case()
+            warm[name].append((time.perf_counter() - started) / calls)
+            spent = 0.0
+            for _ in range(calls):
+                streamed.fill_(1)
+                started = time.perf_counter()
+                case()
+                spent += time.perf_counter() - started
+            cold[name].append(spent / calls)
+    return {name: (statistics.median(warm[name]), statistics.median(cold[name])) for name in cases}
+
+
 def parts() -> None:
     generator = torch.Generator().manual_seed(0)
     norm, rows = RMSNorm(576, 1e-5), torch.randn(4, 576, generator=generator)
@@ -53,25 +76,11 @@ def parts() -> None:
         "RoPE, 8 positions: torch's gather of cos and sin rows": lambda: rotary(positions),
         "RoPE, 8 positions: the whole tables (RotaryEmbedding.tables)": lambda: rotary.tables(308),
     }
-    streamed = torch.empty(64 << 20, dtype=torch.uint8)
-    warm, cold = {name: [] for name in cases}, {name: [] for name in cases}
     with torch.inference_mode():
-        for _ in range(ROUNDS):
-            for name, case in cases.items():
-                started = time.perf_counter()
-                for _ in range(CALLS):
-                    case()
-                warm[name].append((time.perf_counter() - started) / CALLS)
-                spent = 0.0
-                for _ in range(CALLS):
-                    streamed.fill_(1)
-                    started = time.perf_counter()
-                    case()
-                    spent += time.perf_counter() - started
-                cold[name].append(spent / CALLS)
+        seconds = warm_and_cold(cases)
     print("| operation | warm, us | after 64 MB written, us |\n|---|---|---|")
-    for name in cases:
-        print(f"| {name} | {1e6 * statistics.median(warm[name]):.1f} | {1e6 * statistics.median(cold[name]):.1f} |")
+    for name, (warm, cold) in seconds.items():
+        print(f"| {name} | {1e6 * warm:.1f} | {1e6 * cold:.1f} |")
 
 
 def decode(per_category: int) -> None:

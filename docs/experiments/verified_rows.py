@@ -19,12 +19,13 @@ import dataclasses
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "runtime"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # cold_ops
+from cold_ops import warm_and_cold  # noqa: E402
 from specserve_runtime.bench import held_out_sample, method_spec  # noqa: E402
 from specserve_runtime.engine import Request  # noqa: E402
 from specserve_runtime.loader import build_engine, load_model  # noqa: E402
@@ -59,26 +60,11 @@ def costs(model, engine) -> None:
     cases |= {f"DFlash block, {rows} rows": (lambda rows=rows: drafter.draft_hidden(embeds[:rows].clone(),
                                                                                    [proposer.context_cache], 3))
               for rows in BLOCK_ROWS}
-    streamed = torch.empty(64 << 20, dtype=torch.uint8)
-    warm, cold = {name: [] for name in cases}, {name: [] for name in cases}
-    for _ in range(ROUNDS):
-        for name, case in cases.items():
-            started = time.perf_counter()
-            for _ in range(CALLS):
-                case()
-            warm[name].append((time.perf_counter() - started) / CALLS)
-            spent = 0.0
-            for _ in range(CALLS):
-                streamed.fill_(1)
-                started = time.perf_counter()
-                case()
-                spent += time.perf_counter() - started
-            cold[name].append(spent / CALLS)
-    one = statistics.median(warm["target, 1 rows"])
+    seconds = warm_and_cold(cases, ROUNDS, CALLS)
+    one = seconds["target, 1 rows"][0]
     print("| forward | warm, ms | after 64 MB written, ms | warm / the target's 1 row |\n|---|---|---|---|")
-    for name in cases:
-        w, c = statistics.median(warm[name]), statistics.median(cold[name])
-        print(f"| {name} | {1000 * w:.2f} | {1000 * c:.2f} | {w / one:.2f} |")
+    for name, (warm, cold) in seconds.items():
+        print(f"| {name} | {1000 * warm:.2f} | {1000 * cold:.2f} | {warm / one:.2f} |")
 
 
 def acceptance(model, engine, per_category: int) -> None:
