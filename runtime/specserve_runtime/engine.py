@@ -234,10 +234,7 @@ class Engine:
         root = sequence.cache.length - len(drafts) - 1
         sequence.cache.keep(root + 1, [root + 1 + index for index in accepted])
         rows = [0] + [1 + index for index in accepted]
-        if out.taps is not None and rows == list(range(len(rows))):  # a chain's rows, a tree's first branch
-            sequence.proposer.extend_context(out.taps[: len(rows)])  # a view: no gather
-        else:
-            sequence.proposer.extend_context(None if out.taps is None else out.taps[rows])
+        sequence.proposer.extend_context(None if out.taps is None else out.taps[rows])
         sequence.tokens += committed
         _record(sequence.stats, len(drafts), num_accepted)
         return self._commit(sequence, committed, len(drafts), num_accepted)

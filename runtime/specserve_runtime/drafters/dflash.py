@@ -355,8 +355,7 @@ class DFlashProposer(ModelProposer):
         keys/values, for all sequences at once (DFlashDrafter.project_context); they never change afterwards."""
         pending = [proposer for proposer in proposers if proposer.pending]
         if pending:
-            self.drafter.project_context([(proposer.context_cache, proposer.pending[0] if len(proposer.pending) == 1
-                                           else torch.cat(proposer.pending)) for proposer in pending])
+            self.drafter.project_context([(proposer.context_cache, torch.cat(proposer.pending)) for proposer in pending])
         for proposer in pending:
             proposer.pending = []
 
