@@ -1,5 +1,6 @@
-"""One-off measurement: two builds of blockquant.c (attention.c and decoder.c as in the tree) in one process, on
-what a decode step runs: the target's forward of 1, 4, 8 and 12 new rows after 300 cached positions (its layers
+"""One-off measurement: two builds of one kernel source (blockquant.c, attention.c or decoder.c: the one the second
+file is named for; the other two as in the tree) in one process, on
+what a decode step runs: the target's forward of 1, 4, 8 and 12 new rows after 300 cached positions (--prefix N: N) (its layers
 in decoder.c, the taps, the LM head), and a DFlash drafting step (the bundled drafter's block of 8 through its
 layers, and its head on 3 rows), each drafting step timed right after a 4-row verify forward so that the caches
 hold what they hold in a real step. Interleaved in rounds; medians. With --decode N, then whole greedy
@@ -8,8 +9,8 @@ plain decoding and the bundled DFlash drafter: the medians of the per-prompt rat
 is the same.
 
 Run: git show REV:runtime/specserve_runtime/blockquant.c > /tmp/before.c
-     .venv/bin/python docs/experiments/kernels_ab.py /tmp/before.c runtime/specserve_runtime/blockquant.c [--decode 6]
-(results in docs/benchmarks.md, "Tiles of a known size")
+     .venv/bin/python docs/experiments/kernels_ab.py /tmp/before.c runtime/specserve_runtime/blockquant.c [--decode 6] [--prefix N]
+(results in docs/benchmarks.md, "Tiles of a known size" and, for attention.c, "Keys into registers")
 """
 
 import copy
@@ -27,47 +28,48 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "runtime"))
 from specserve_runtime import blockquant  # noqa: E402
 
 KERNELS = Path(blockquant.__file__).parent
-ROUNDS, CALLS, ROWS, PREFIX = 15, 20, (1, 4, 8, 12), 300
+ROUNDS, CALLS, ROWS = 15, 20, (1, 4, 8, 12)
 
 
-def build(blockquant_c: str, folder: str, name: str, like: ctypes.CDLL) -> ctypes.CDLL:
+def build(source: str, replaces: str, folder: str, name: str) -> ctypes.CDLL:
+    """The engine's library with `source` in place of its file named `replaces`."""
     library = Path(folder) / f"{name}.so"
-    subprocess.run(["cc", *blockquant.CFLAGS, f"-I{KERNELS}", "-o", str(library), blockquant_c,
-                    str(KERNELS / "attention.c"), str(KERNELS / "decoder.c")], check=True)
-    built = ctypes.CDLL(str(library))
-    for function in ("blockquant_best_isa", "blockquant_linear", "decoder_layers", "dflash_context"):
-        ours, theirs = getattr(built, function), getattr(like, function)
-        ours.restype, ours.argtypes = theirs.restype, theirs.argtypes
-    return built
+    sources = [source if tree.name == replaces else str(tree) for tree in blockquant.SOURCES]
+    subprocess.run(["cc", *blockquant.CFLAGS, f"-I{KERNELS}", "-o", str(library), *sources], check=True)
+    return blockquant.declare(ctypes.CDLL(str(library)))
 
 
-def main(before: str, after: str, per_category: int = 0) -> None:
+def main(before: str, after: str, per_category: int = 0, prefix: int = 300) -> None:
     from specserve_runtime.bench import method_spec
     from specserve_runtime.loader import build_engine, load_model
     from specserve_runtime.model import Segment
     from specserve_runtime.store import DEFAULT_MODEL
 
     with tempfile.TemporaryDirectory() as folder:
-        tree_build = blockquant.library()  # the argument types, set where the engine loads its build
-        builds = {name: build(path, folder, name, tree_build) for name, path in (("before", before), ("after", after))}
+        tree_build = blockquant.library()  # the engine loads the tree's build until a round picks one
+        replaces = Path(after).name
+        if replaces not in {tree.name for tree in blockquant.SOURCES}:
+            sys.exit(f"{after}: not named for one of the kernel sources {[tree.name for tree in blockquant.SOURCES]}")
+        builds = {name: build(path, replaces, folder, name)
+                  for name, path in (("before", before), ("after", after))}
         current = {"build": tree_build}
         blockquant.library = lambda: current["build"]  # every product and layer call asks for the library anew
 
         model = load_model(DEFAULT_MODEL)
         target = model.target
-        cache = target.new_cache(PREFIX + max(ROWS))
-        target.forward(torch.randint(0, target.config.vocab_size, (PREFIX,)), cache)
+        cache = target.new_cache(prefix + max(ROWS))
+        target.forward(torch.randint(0, target.config.vocab_size, (prefix,)), cache)
         proposer = build_engine(model, *method_spec("dflash")).proposer
         drafter, taps = proposer.drafter, proposer.tap_layers
         sequence = copy.copy(proposer)
-        sequence.begin(PREFIX + 64)
-        sequence.extend_context(torch.randn(PREFIX, len(taps) * target.config.hidden_size))
+        sequence.begin(prefix + 64)
+        sequence.extend_context(torch.randn(prefix, len(taps) * target.config.hidden_size))
         proposer._project_context([sequence])
         block = torch.full((drafter.config.block_size,), drafter.config.mask_token_id)
         block_embeds = target.embed_tokens(block)
 
         def verify(rows):
-            cache.length = PREFIX
+            cache.length = prefix
             segment = Segment(torch.randint(0, target.config.vocab_size, (rows,)), cache, rows)
             return target.forward_batch([segment], taps)
 
@@ -131,4 +133,8 @@ def decode(model, builds, current, per_category: int) -> None:
 
 if __name__ == "__main__":
     arguments = sys.argv[1:]
-    main(*arguments[:2], int(arguments[arguments.index("--decode") + 1]) if "--decode" in arguments else 0)
+
+    def option(name: str, default: int) -> int:
+        return int(arguments[arguments.index(name) + 1]) if name in arguments else default
+
+    main(*arguments[:2], option("--decode", 0), option("--prefix", 300))

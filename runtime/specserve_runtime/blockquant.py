@@ -270,16 +270,9 @@ def kernel_name() -> str | None:
     return ISA_NAMES.get(best_isa())
 
 
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None (with the reason logged once) where they cannot run here."""
-    if os.environ.get("SPECSERVE_BLOCKQUANT", "1") == "0":
-        return None
-    try:
-        kernels = ctypes.CDLL(str(build()))
-    except OSError as exc:  # no compiler, a failed build, a library that does not load
-        log.warning("block-quantised kernels unavailable, float32 weights instead: %s", exc)
-        return None
+def declare(kernels: ctypes.CDLL) -> ctypes.CDLL:
+    """The entry points' argument and result types, set on a loaded build of the kernels (also another build of
+    them, which docs/experiments compare with this one)."""
     kernels.blockquant_best_isa.restype = ctypes.c_int
     kernels.blockquant_linear.restype = ctypes.c_int
     kernels.blockquant_linear.argtypes = [
@@ -296,6 +289,20 @@ def library() -> ctypes.CDLL | None:
     kernels.decoder_layers.argtypes = ([pointer] * 4 + [size] + [pointer] * 2 + [size] + [pointer] * 2 + [size]
                                        + [pointer] * 4 + [ctypes.c_float, pointer])
     kernels.dflash_context.argtypes = [pointer] * 5 + [size] + [pointer] * 2 + [size] + [pointer] * 2 + [size] * 2
+    return kernels
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (with the reason logged once) where they cannot run here."""
+    if os.environ.get("SPECSERVE_BLOCKQUANT", "1") == "0":
+        return None
+    try:
+        kernels = ctypes.CDLL(str(build()))
+    except OSError as exc:  # no compiler, a failed build, a library that does not load
+        log.warning("block-quantised kernels unavailable, float32 weights instead: %s", exc)
+        return None
+    declare(kernels)
     if kernels.blockquant_best_isa() == 0:
         log.warning("block-quantised kernels need AVX-512 or AVX2 with FMA: float32 weights instead")
         return None
