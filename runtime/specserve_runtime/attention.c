@@ -89,6 +89,58 @@ static inline float dot512(const float *a, const uint16_t *b, int64_t d) {
    few rows is bound by reading the cache more than by arithmetic (docs/benchmarks.md, "Grouped-query heads
    side by side"). */
 #define QUERIES 4
+/* Query heads scored together over eight keys: their 8 * SCORED accumulators, SCORED query vectors and a key
+   fit the 32 vector registers. */
+#define SCORED 3
+
+/* The scores of `count` query heads q (1 to SCORED: a constant where inlined) for the eight keys listed in slots,
+   into p[h * stride]: each key's 16-lane chunk widened from float16 straight into a register and multiplied
+   into every head's accumulator for that key, so no key is written to memory and read back per head. Each score
+   is dot512's arithmetic (the first chunk's product, then one fused multiply-add per chunk in order) summed by
+   sum_tree8: the bits of each head and key alone. */
+__attribute__((target("avx512f"), always_inline))
+static inline void score8(const int count, const float *const *q, const uint16_t *k, const int32_t *slots, int64_t d,
+                          float scale, float *p, int64_t stride) {
+    __m512 acc[SCORED][8], query[SCORED];
+    for (int h = 0; h < count; h++) query[h] = _mm512_loadu_ps(q[h]);
+    for (int j = 0; j < 8; j++) {
+        const __m512 key = load_half(k + slots[j] * d);
+        for (int h = 0; h < count; h++) acc[h][j] = _mm512_mul_ps(query[h], key);
+    }
+    for (int64_t i = LANES; i < d; i += LANES) {
+        for (int h = 0; h < count; h++) query[h] = _mm512_loadu_ps(q[h] + i);
+        for (int j = 0; j < 8; j++) {
+            const __m512 key = load_half(k + slots[j] * d + i);
+            for (int h = 0; h < count; h++) acc[h][j] = _mm512_fmadd_ps(query[h], key, acc[h][j]);
+        }
+    }
+    for (int h = 0; h < count; h++) _mm256_storeu_ps(p + h * stride, _mm256_mul_ps(sum_tree8(acc[h]), _mm256_set1_ps(scale)));
+}
+
+/* out[h][i .. i + 16 * width) = the weights p[h * stride + n] times the value rows of slots[n], summed key by key
+   in list order, for `count` heads (1 to QUERIES) and `width` chunks of 16 (1 to 4), both constants where inlined
+   (a count or width tested inside the key loop cost a compare and a branch per head and chunk): each value row's
+   chunks widened once for every head, one broadcast weight per head. */
+__attribute__((target("avx512f"), always_inline))
+static inline void weigh_values(const int count, const int width, const float *p, int64_t stride, const uint16_t *v,
+                                const int32_t *slots, int64_t n_keys, int64_t d, int64_t i, const float *inverse,
+                                float *const *out) {
+    __m512 acc[QUERIES][4];
+    for (int h = 0; h < count; h++)
+        for (int c = 0; c < width; c++) acc[h][c] = _mm512_setzero_ps();
+    for (int64_t n = 0; n < n_keys; n++) {
+        const uint16_t *row = v + slots[n] * d + i;
+        __m512 values[4];
+        for (int c = 0; c < width; c++) values[c] = load_half(row + c * LANES);
+        for (int h = 0; h < count; h++) {
+            const __m512 weight = _mm512_set1_ps(p[h * stride + n]);
+            for (int c = 0; c < width; c++) acc[h][c] = _mm512_fmadd_ps(weight, values[c], acc[h][c]);
+        }
+    }
+    for (int h = 0; h < count; h++)
+        for (int c = 0; c < width; c++)
+            _mm512_storeu_ps(out[h] + i + c * LANES, _mm512_mul_ps(acc[h][c], _mm512_set1_ps(inverse[h])));
+}
 
 /* One row's query heads q[count] (count <= QUERIES, of one key head) over the keys listed in `slots` [n_keys] of
    k/v [capacity, D] -> out[count] [D]. p holds count * stride floats, stride >= n_keys rounded up to 16. Each
@@ -96,23 +148,15 @@ static inline float dot512(const float *a, const uint16_t *b, int64_t d) {
 __attribute__((target("avx512f")))
 static void attend_heads(const float *const *q, int64_t count, const uint16_t *k, const uint16_t *v, const int32_t *slots,
                          int64_t n_keys, int64_t d, float scale, float *p, int64_t stride, float *const *out) {
-    /* Scores eight keys at a time: their rows widened once into `keys` for every head, each head's eight dot
-       products (dot512's arithmetic) summed side by side (sum_tree8); the last few keys one by one (dot512). */
-    float keys[8 * d];
+    /* Scores eight keys at a time, SCORED heads at a time; the last few keys one by one (dot512). */
     int64_t n = 0;
-    for (; n + 8 <= n_keys; n += 8) {
-        for (int64_t j = 0; j < 8; j++)
-            for (int64_t i = 0; i < d; i += LANES) _mm512_storeu_ps(keys + j * d + i, load_half(k + slots[n + j] * d + i));
-        for (int64_t h = 0; h < count; h++) {
-            __m512 acc[8];
-            for (int64_t j = 0; j < 8; j++) acc[j] = _mm512_mul_ps(_mm512_loadu_ps(q[h]), _mm512_loadu_ps(keys + j * d));
-            for (int64_t i = LANES; i < d; i += LANES) {
-                const __m512 query = _mm512_loadu_ps(q[h] + i);
-                for (int64_t j = 0; j < 8; j++) acc[j] = _mm512_fmadd_ps(query, _mm512_loadu_ps(keys + j * d + i), acc[j]);
+    for (; n + 8 <= n_keys; n += 8)
+        for (int64_t h = 0; h < count; h += SCORED)
+            switch (count - h < SCORED ? count - h : SCORED) {
+                case 1: score8(1, q + h, k, slots + n, d, scale, p + h * stride + n, stride); break;
+                case 2: score8(2, q + h, k, slots + n, d, scale, p + h * stride + n, stride); break;
+                default: score8(3, q + h, k, slots + n, d, scale, p + h * stride + n, stride);
             }
-            _mm256_storeu_ps(p + h * stride + n, _mm256_mul_ps(sum_tree8(acc), _mm256_set1_ps(scale)));
-        }
-    }
     for (; n < n_keys; n++)
         for (int64_t h = 0; h < count; h++) p[h * stride + n] = dot512(q[h], k + slots[n] * d, d) * scale;
     float inverse[QUERIES];
@@ -131,31 +175,22 @@ static void attend_heads(const float *const *q, int64_t count, const uint16_t *k
         }
         inverse[h] = 1.0f / _mm512_reduce_add_ps(total);
     }
-    /* The weighted values, key by key in list order, up to 64 of the D values at a time: a value row read once
-       for every head, one broadcast weight per head, and up to four independent sums per head. */
-    for (int64_t i = 0; i < d; i += 4 * LANES) {
-        const int64_t width = d - i < 4 * LANES ? (d - i) / LANES : 4;
-        __m512 acc[QUERIES][4];
-        for (int64_t h = 0; h < QUERIES; h++)
-            for (int64_t c = 0; c < 4; c++) acc[h][c] = _mm512_setzero_ps();
-        for (int64_t n = 0; n < n_keys; n++) {
-            const uint16_t *row = v + slots[n] * d + i;
-            __m512 values[4];
-            #pragma GCC unroll 4
-            for (int64_t c = 0; c < 4; c++) values[c] = c < width ? load_half(row + c * LANES) : _mm512_setzero_ps();
-            #pragma GCC unroll 4
-            for (int64_t h = 0; h < QUERIES; h++) {
-                if (h >= count) break;
-                const __m512 weight = _mm512_set1_ps(p[h * stride + n]);
-                #pragma GCC unroll 4
-                for (int64_t c = 0; c < 4; c++)
-                    if (c < width) acc[h][c] = _mm512_fmadd_ps(weight, values[c], acc[h][c]);
-            }
+    /* The weighted values, 64 of the D values at a time (four independent sums per head), then the last 16-48. */
+    int64_t i = 0;
+    for (; i + 4 * LANES <= d; i += 4 * LANES)
+        switch (count) {
+            case 1: weigh_values(1, 4, p, stride, v, slots, n_keys, d, i, inverse, out); break;
+            case 2: weigh_values(2, 4, p, stride, v, slots, n_keys, d, i, inverse, out); break;
+            case 3: weigh_values(3, 4, p, stride, v, slots, n_keys, d, i, inverse, out); break;
+            default: weigh_values(4, 4, p, stride, v, slots, n_keys, d, i, inverse, out);
         }
-        for (int64_t h = 0; h < count; h++)
-            for (int64_t c = 0; c < width; c++)
-                _mm512_storeu_ps(out[h] + i + c * LANES, _mm512_mul_ps(acc[h][c], _mm512_set1_ps(inverse[h])));
-    }
+    if (i < d)
+        for (int64_t h = 0; h < count; h++)  /* one head at a time: a rare shape (D not a multiple of 64) */
+            switch ((d - i) / LANES) {
+                case 1: weigh_values(1, 1, p + h * stride, stride, v, slots, n_keys, d, i, inverse + h, out + h); break;
+                case 2: weigh_values(1, 2, p + h * stride, stride, v, slots, n_keys, d, i, inverse + h, out + h); break;
+                default: weigh_values(1, 3, p + h * stride, stride, v, slots, n_keys, d, i, inverse + h, out + h);
+            }
 }
 
 /* The keys (RoPE applied: row r at position positions[r] of the tables cos/sin [positions, D]) and values of `rows`
