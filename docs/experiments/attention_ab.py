@@ -9,10 +9,8 @@ Run: git show REV:runtime/specserve_runtime/attention.c > /tmp/before.c
 (results in docs/benchmarks.md, "Eight keys at a time" and "Keys into registers")
 """
 
-import ctypes
 import itertools
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -20,19 +18,10 @@ from pathlib import Path
 
 import torch
 
-KERNELS = Path(__file__).resolve().parents[2] / "runtime" / "specserve_runtime"
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # kernels_ab
+from kernels_ab import build  # noqa: E402
+
 ROUNDS, CALLS = 7, 200
-
-
-def build(attention_c: str, folder: str, name: str):
-    library = Path(folder) / f"{name}.so"
-    subprocess.run(["cc", "-O3", "-fopenmp", "-shared", "-fPIC", f"-I{KERNELS}", "-o", str(library),
-                    str(KERNELS / "blockquant.c"), attention_c, str(KERNELS / "decoder.c")], check=True)
-    kernel = ctypes.CDLL(str(library)).attention_rows
-    kernel.restype = ctypes.c_int
-    pointer, size = ctypes.c_void_p, ctypes.c_int64
-    kernel.argtypes = [pointer, size, size] * 3 + [pointer] * 5 + [size] * 6 + [pointer] * 3
-    return kernel
 
 
 def case(heads, kv_heads, d, cached, rows, masked=False):
@@ -93,7 +82,8 @@ def same_bits(kernels) -> None:
 def main(before: str, after: str) -> None:
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as folder:
-        kernels = {"before": build(before, folder, "before"), "after": build(after, folder, "after")}
+        kernels = {name: build(path, "attention.c", folder, name).attention_rows
+                   for name, path in (("before", before), ("after", after))}
         timings(kernels)
         same_bits(kernels)
 

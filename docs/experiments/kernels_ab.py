@@ -1,15 +1,15 @@
 """One-off measurement: two builds of one kernel source (blockquant.c, attention.c or decoder.c: the one the second
-file is named for; the other two as in the tree) in one process, on
-what a decode step runs: the target's forward of 1, 4, 8 and 12 new rows after 300 cached positions (--prefix N: N) (its layers
-in decoder.c, the taps, the LM head), and a DFlash drafting step (the bundled drafter's block of 8 through its
-layers, and its head on 3 rows), each drafting step timed right after a 4-row verify forward so that the caches
-hold what they hold in a real step. Interleaved in rounds; medians. With --decode N, then whole greedy
-decodes of 3N held-out prompts of set v2 (N a category, 128 new tokens), each prompt by each build in turn,
-plain decoding and the bundled DFlash drafter: the medians of the per-prompt ratios, and whether every output
-is the same.
+file is named for; the other two as in the tree) in one process, on what a decode step runs: the target's forward
+of 1, 4, 8 and 12 new rows after 300 cached positions (--prefix N: N; its layers in decoder.c, the taps, the LM
+head), and a DFlash drafting step (the bundled drafter's block of 8 through its layers, and its head on 3 rows),
+each drafting step timed right after a 4-row verify forward so that the caches hold what they hold in a real step.
+Interleaved in rounds; medians. With --decode N, then whole greedy decodes of 3N held-out prompts of set v2 (N a
+category, 128 new tokens), each prompt by each build in turn, plain decoding and the bundled DFlash drafter: the
+medians of the per-prompt ratios, and whether every output is the same.
 
 Run: git show REV:runtime/specserve_runtime/blockquant.c > /tmp/before.c
-     .venv/bin/python docs/experiments/kernels_ab.py /tmp/before.c runtime/specserve_runtime/blockquant.c [--decode 6] [--prefix N]
+     .venv/bin/python docs/experiments/kernels_ab.py /tmp/before.c runtime/specserve_runtime/blockquant.c \
+         [--decode 6] [--prefix N]
 (results in docs/benchmarks.md, "Tiles of a known size" and, for attention.c, "Keys into registers")
 """
 

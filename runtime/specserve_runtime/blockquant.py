@@ -289,6 +289,8 @@ def declare(kernels: ctypes.CDLL) -> ctypes.CDLL:
     kernels.decoder_layers.argtypes = ([pointer] * 4 + [size] + [pointer] * 2 + [size] + [pointer] * 2 + [size]
                                        + [pointer] * 4 + [ctypes.c_float, pointer])
     kernels.dflash_context.argtypes = [pointer] * 5 + [size] + [pointer] * 2 + [size] + [pointer] * 2 + [size] * 2
+    kernels.attention_rows.restype = ctypes.c_int  # one sequence's attention alone: for tests and experiments
+    kernels.attention_rows.argtypes = [pointer, size, size] * 3 + [pointer] * 5 + [size] * 6 + [pointer] * 3
     return kernels
 
 

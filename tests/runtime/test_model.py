@@ -1,7 +1,5 @@
 """The target model against transformers' own implementation, and the KV cache's rollback."""
 
-import ctypes
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -264,9 +262,6 @@ def attention_rows(q, k, v, rotary, positions, cache_k, cache_v, cached, visible
     k and v [T, kv_heads, D] before RoPE (at positions [T] of rotary's tables) into one layer's float16 cache
     [kv_heads, capacity, D] after `cached` slots; visible [T, T] -> [T, heads * D]."""
     kernel = blockquant.library().attention_rows
-    kernel.restype = ctypes.c_int
-    pointer, size = ctypes.c_void_p, ctypes.c_int64
-    kernel.argtypes = [pointer, size, size] * 3 + [pointer] * 5 + [size] * 6 + [pointer] * 3
     (rows, heads, head_dim), visible = q.shape, visible.to(torch.uint8).contiguous()
     cos, sin = rotary.tables(int(positions.max()) + 1)
     out = torch.empty(rows, heads * head_dim)
