@@ -27,57 +27,66 @@ from specserve_runtime.training.sources import default_prompt_set  # noqa: E402
 MAX_NGRAM, LONGEST_COPY = 6, 8
 
 
-def accepted_depth(tree, truth) -> int:
-    """How many of `truth`'s tokens the tree holds as a branch from its root."""
-    node, depth = -1, 0
-    while depth < len(truth):
-        child = next((i for i, (t, p) in enumerate(zip(tree.tokens, tree.parents)) if p == node and t == truth[depth]), None)
-        if child is None:
-            return depth
-        node, depth = child, depth + 1
-    return depth
+def accepted_nodes(tree, truth) -> list[int]:
+    """The nodes of the tree's branch that `truth` follows from the root, root first."""
+    child = {(parent, token): node for node, (token, parent) in enumerate(zip(tree.tokens, tree.parents))}
+    nodes: list[int] = []
+    for token in truth:
+        if (nodes[-1] if nodes else -1, token) not in child:
+            break
+        nodes.append(child[(nodes[-1] if nodes else -1, token)])
+    return nodes
 
 
-def main() -> None:
-    model = load_model(DEFAULT_MODEL)
+def decoded_steps(model, method: str, per_category: int = 8, new_tokens: int = 128) -> list[list[tuple]]:
+    """For each of set v2's first `per_category` held-out prompts of each category, every step of `method`'s greedy
+    decode as the engine runs it: (the step's draft tree, the tokens committed before it, the next 8 tokens that
+    plain decoding wrote there)."""
     records = [json.loads(line) for line in default_prompt_set().read_text().splitlines()]
-    dflash = build_engine(model, *method_spec("dflash+lookup0"))  # the tree of 3 alone
-    plain = build_engine(model, "ar")
-    by_match = collections.defaultdict(lambda: [0, 0, 0])  # (match length, first copied token in the tree) -> steps, new rows, extra tokens
-    by_copy = collections.defaultdict(lambda: [0, 0, 0])  # (match >= 3, tokens copied) -> steps, new rows, extra tokens
-    steps = 0
-    propose_all = engine_module.propose_all
-    for record in held_out_sample(records, 8):
+    speculative, plain = build_engine(model, *method_spec(method)), build_engine(model, "ar")
+    propose_all, decodes = engine_module.propose_all, []
+    for record in held_out_sample(records, per_category):
         prompt = model.encode(record["prompt"])
-        sequence = prompt + plain.generate(Request(prompt, 128)).token_ids
-        lookup = PromptLookup(MAX_NGRAM, 1)
+        sequence = prompt + plain.generate(Request(prompt, new_tokens)).token_ids
+        steps = []
 
         def observed(prototype, work, batched=True):
-            nonlocal steps
             trees = propose_all(prototype, work, batched)
-            for tree, (_, tokens, _) in zip(trees, work):
-                steps += 1
-                copy = lookup.continuation(tokens, LONGEST_COPY)
-                if not copy:
-                    continue
-                match = next(n for n in range(min(MAX_NGRAM, len(tokens) - 1), 0, -1) if tuple(tokens[-n:]) in lookup.last_end)
-                truth = sequence[len(tokens) : len(tokens) + LONGEST_COPY]
-                tree_commits, copy_commits = accepted_depth(tree, truth), accepted_depth(tree.with_branch(copy), truth)
-                in_tree = any(p == -1 and t == copy[0] for t, p in zip(tree.tokens, tree.parents))
-                row = by_match[(match, in_tree)]
-                row[0], row[1], row[2] = row[0] + 1, row[1] + len(tree.with_branch(copy)) - len(tree), row[2] + copy_commits - tree_commits
-                for count in range(1, LONGEST_COPY + 1):
-                    merged = tree.with_branch(copy[:count])
-                    row = by_copy[(match >= 3, count)]
-                    row[0], row[1] = row[0] + 1, row[1] + len(merged) - len(tree)
-                    row[2] += accepted_depth(merged, truth) - tree_commits
+            steps.extend((tree, list(tokens), sequence[len(tokens) : len(tokens) + 8])
+                         for tree, (_, tokens, _) in zip(trees, work))
             return trees
 
         engine_module.propose_all = observed
         try:
-            dflash.generate(Request(prompt, 128))
+            speculative.generate(Request(prompt, new_tokens))
         finally:
             engine_module.propose_all = propose_all
+        decodes.append(steps)
+    return decodes
+
+
+def main() -> None:
+    model = load_model(DEFAULT_MODEL)
+    by_match = collections.defaultdict(lambda: [0, 0, 0])  # (match length, first copied token in the tree) -> steps, new rows, extra tokens
+    by_copy = collections.defaultdict(lambda: [0, 0, 0])  # (match >= 3, tokens copied) -> steps, new rows, extra tokens
+    steps = 0
+    for decode in decoded_steps(model, "dflash+lookup0"):  # the tree of 3 alone
+        lookup = PromptLookup(MAX_NGRAM, 1)
+        for tree, tokens, truth in decode:
+            steps += 1
+            copy = lookup.continuation(tokens, LONGEST_COPY)
+            if not copy:
+                continue
+            match = next(n for n in range(min(MAX_NGRAM, len(tokens) - 1), 0, -1) if tuple(tokens[-n:]) in lookup.last_end)
+            tree_commits, copy_commits = len(accepted_nodes(tree, truth)), len(accepted_nodes(tree.with_branch(copy), truth))
+            in_tree = any(p == -1 and t == copy[0] for t, p in zip(tree.tokens, tree.parents))
+            row = by_match[(match, in_tree)]
+            row[0], row[1], row[2] = row[0] + 1, row[1] + len(tree.with_branch(copy)) - len(tree), row[2] + copy_commits - tree_commits
+            for count in range(1, LONGEST_COPY + 1):
+                merged = tree.with_branch(copy[:count])
+                row = by_copy[(match >= 3, count)]
+                row[0], row[1] = row[0] + 1, row[1] + len(merged) - len(tree)
+                row[2] += len(accepted_nodes(merged, truth)) - tree_commits
     print(f"{steps} steps of DFlash's tree of 3; the copy of up to {LONGEST_COPY} tokens:\n")
     print("| suffix matched | copy's first token in the tree | steps | new rows a step | extra tokens a step | extra tokens a new row |")
     print("|---|---|---|---|---|---|")
