@@ -2,7 +2,7 @@
 
 - DFlash drafting: the bundled drafter's block of 8 through its two layers after a context of 300 positions, every
   row through the last layer's output projection and MLP (before) against only the 3 slots that a tree of 3 drafts
-  (`kept`, what DFlashDrafter.draft_hidden now asks for), then the head on those 3 rows.
+  (`kept`, what DFlashDrafter.draft_slots now asks for), then the head on those 3 rows.
 - A prompt's forward (prefill) of 64 and 256 tokens through the target's 30 layers: every row through the last
   layer against the last row only (Transformer.forward_batch for a prompt's last logits).
 
@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "runtime"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # paired_decodes
+from specserve_runtime import blockquant  # noqa: E402
 from specserve_runtime.bench import method_spec  # noqa: E402
 from specserve_runtime.loader import build_engine, load_model  # noqa: E402
 from specserve_runtime.store import DEFAULT_MODEL  # noqa: E402
@@ -98,14 +99,20 @@ def decode(model, per_category: int) -> None:
 
     engines = engines_for(model, ("dflash",))
     drafter, native = engines["dflash"].proposer.drafter, model.target.native_layers
-    draft_hidden, run, block = drafter.draft_hidden, native.run, drafter.config.block_size
+    draft_slots, run, block = drafter.draft_slots, native.run, drafter.config.block_size
+
+    def every_row_run(*args, kept=None, head=None, **kwargs):  # every row through the last layer, then the rows read
+        taps, normed = run(*args, **kwargs)
+        normed = normed if kept is None else normed[kept]
+        return taps, normed if head is None else blockquant.linear(normed, head)
 
     def every_row():  # what was computed before: every slot through the last layer, every prompt row
-        drafter.draft_hidden = lambda embeds, caches, slots: draft_hidden(embeds, caches, block - 1)[:, :slots]
-        native.run = lambda *args, kept=None, **kwargs: run(*args, **kwargs)
+        drafter.draft_slots = lambda embeds, caches, slots, head: head.logits(
+            draft_slots(embeds, caches, block - 1)[:, :slots])
+        native.run = every_row_run
 
     def kept_rows():  # the methods of their classes again
-        drafter.__dict__.pop("draft_hidden", None)
+        drafter.__dict__.pop("draft_slots", None)
         native.__dict__.pop("run", None)
 
     paired_decodes(model, engines, {"every row": every_row, "kept rows": kept_rows}, per_category)

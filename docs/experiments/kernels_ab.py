@@ -87,7 +87,7 @@ def main(before: str, after: str, per_category: int = 0, prefix: int = 300) -> N
                 for _ in range(CALLS):
                     verify(4)
                     started = time.perf_counter()
-                    hidden = drafter.draft_hidden(block_embeds.clone(), [sequence.context_cache], 3)  # overwritten
+                    hidden = drafter.draft_slots(block_embeds.clone(), [sequence.context_cache], 3)  # overwritten
                     logits = proposer.head.logits(hidden)
                     seconds.setdefault((name, "drafting"), []).append(time.perf_counter() - started)
                 outputs[name] = logits

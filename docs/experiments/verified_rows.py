@@ -2,7 +2,7 @@
 
 - The target's forward (decoder.c's layers and the LM head, as a verify step runs it) over 1 to 8 new rows after a
   300-token prefix, warm, medians of interleaved rounds: every draft a step verifies is one more row.
-- The bundled DFlash drafter's block forward (draft_hidden: its 8 rows, the 3 drafting slots kept) against the
+- The bundled DFlash drafter's block forward (draft_slots: its 8 rows, the 3 drafting slots kept) against the
   same block cut to its first 4 and 5 rows, warm and cold (right after 64 MB were written).
 - With --tau N, the bundled DFlash (its tree of 3 and prompt lookup's copy) on 3N held-out prompts of set v2
   (N a category, 128 new tokens, T=0), its drafter fed blocks of 8, 5 and 4 rows: the drafts verified a step and
@@ -57,7 +57,7 @@ def costs(model, engine) -> None:
     block[0] = 100
     embeds = target.embed_tokens(block)
     cases = {f"target, {rows} rows": (lambda rows=rows: verify(target, cache, rows)) for rows in ROWS}
-    cases |= {f"DFlash block, {rows} rows": (lambda rows=rows: drafter.draft_hidden(embeds[:rows].clone(),
+    cases |= {f"DFlash block, {rows} rows": (lambda rows=rows: drafter.draft_slots(embeds[:rows].clone(),
                                                                                    [proposer.context_cache], 3))
               for rows in BLOCK_ROWS}
     seconds = warm_and_cold(cases, ROUNDS, CALLS)

@@ -287,7 +287,7 @@ def declare(kernels: ctypes.CDLL) -> ctypes.CDLL:
     kernels.blockquant_sample.argtypes = [pointer, size, size, ctypes.c_float, ctypes.c_double, pointer, pointer]
     kernels.decoder_layers.restype = kernels.dflash_context.restype = ctypes.c_int
     kernels.decoder_layers.argtypes = ([pointer] * 4 + [size] + [pointer] * 2 + [size] + [pointer] * 2 + [size]
-                                       + [pointer] * 4 + [ctypes.c_float, pointer])
+                                       + [pointer] * 4 + [ctypes.c_float, pointer, pointer, pointer])
     kernels.dflash_context.argtypes = [pointer] * 5 + [size] + [pointer] * 2 + [size] + [pointer] * 2 + [size] * 2
     kernels.attention_rows.restype = ctypes.c_int  # one sequence's attention alone: for tests and experiments
     kernels.attention_rows.argtypes = [pointer, size, size] * 3 + [pointer] * 5 + [size] * 6 + [pointer] * 3

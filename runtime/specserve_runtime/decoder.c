@@ -85,13 +85,16 @@ static int shape_ok(const int8_weight *w, int64_t n_out, int64_t k) {
    which then runs its output projection and MLP on the kept rows alone (a prompt's logits need its last row,
    a DFlash block's only the slots it drafts). final_norm [hidden] or NULL: the model's norm after its last layer
    (epsilon final_eps), which then goes, for the kept rows in order, to normed [kept rows, hidden], the LM head's
-   input: x keeps the layers' output. 0 on success, -1 for shapes it does not take (nothing written; also a kept
-   subset with the last layer tapped), -2 when memory runs out (the caches may hold some of the new rows' keys:
-   the caller drops the step). */
+   input: x keeps the layers' output. head NULL, or (with final_norm) the LM head, hidden wide: normed's rows also
+   go through it, to logits [kept rows, head's outputs]. Why here: each return to Python between two calls runs
+   interpreter and torch code the layers' products evicted from the caches (0.2 ms of a one-token step between the
+   layers and the head); in one call, decodes measured about 1.02-1.03x (docs/benchmarks.md, "Between the C
+   calls"). 0 on success, -1 for shapes it does not take (nothing written; also a kept subset with the last layer
+   tapped), -2 when memory runs out (the caches may hold some of the new rows' keys: the caller drops the step). */
 int decoder_layers(const layer_weights *layers, const model_shape *shape, float *x, const float *embeds,
                    int64_t rows, const float *cos, const float *sin, int64_t table_rows, const int64_t *positions,
                    const segment *segments, int64_t n_segments, const uint8_t *tapped, float *taps, const uint8_t *kept,
-                   const float *final_norm, float final_eps, float *normed) {
+                   const float *final_norm, float final_eps, float *normed, const int8_weight *head, float *logits) {
     __builtin_cpu_init();
     const int64_t H = shape->hidden, D = shape->head_dim, heads = shape->heads, kv = shape->kv_heads;
     const int64_t I = shape->intermediate, width = (heads + 2 * kv) * D, in = embeds ? 2 * H : H;
@@ -110,7 +113,9 @@ int decoder_layers(const layer_weights *layers, const model_shape *shape, float 
             return -1;
         n_taps += tapped[l] != 0;
     }
-    if (total != rows || (kept && tapped[shape->layers - 1])) return -1;
+    if (total != rows || (kept && tapped[shape->layers - 1])
+        || (head && (!final_norm || !shape_ok(head, head->n_out, H))))
+        return -1;
     for (int64_t r = 0; r < rows; r++)
         if (positions[r] < 0 || positions[r] >= table_rows) return -1;
 
@@ -174,9 +179,12 @@ int decoder_layers(const layer_weights *layers, const model_shape *shape, float 
             tap++;
         }
     }
-    if (status == 0 && final_norm)
-        for (int64_t r = 0, j = 0; r < rows; r++)
-            if (!kept || kept[r]) rms_norm(x + r * H, final_norm, H, final_eps, normed + j++ * H);
+    if (status == 0 && final_norm) {
+        int64_t n = 0;
+        for (int64_t r = 0; r < rows; r++)
+            if (!kept || kept[r]) rms_norm(x + r * H, final_norm, H, final_eps, normed + n++ * H);
+        if (head) product(normed, n, head, logits, qx, dx, sx);
+    }
     free(h); free(qkv); free(attended); free(gate_up); free(act); free(out); free(kept_x); free(qx); free(dx);
     free(sx);
     return status;

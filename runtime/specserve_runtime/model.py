@@ -206,9 +206,13 @@ class Transformer(nn.Module):
                 kept[rows] = True
             segments = [(s.cache, s.visible(), None) for s in batch]
             cos, sin = self.rotary.tables(max(positions) + 1)
-            taps, normed = self.native_layers.run(x, cos, sin, torch.tensor(positions), segments, tap_layers, kept=kept,
-                                                  norm=self.norm)
-            hidden = normed if kept is not None or len(rows) == len(x) else normed[rows]
+            # The LM head in the same call, unless the last layer is tapped in a prompt: then every row is normed,
+            # and only the rows read go through the head.
+            every_row_read = kept is not None or len(rows) == len(x)
+            head = self.lm_head.int8_blocks if every_row_read else None
+            taps, out = self.native_layers.run(x, cos, sin, torch.tensor(positions), segments, tap_layers, kept=kept,
+                                               norm=self.norm, head=head)
+            logits = out if head is not None else self.lm_head(out if every_row_read else out[rows])
         else:
             cos, sin = self.rotary(torch.tensor(positions))
             masks = [segment.mask() for segment in batch]
@@ -218,8 +222,8 @@ class Transformer(nn.Module):
                 if i in tap_layers:
                     tapped_outputs.append(x)
             taps = torch.cat(tapped_outputs, dim=-1) if tapped_outputs else None
-            hidden = self.norm(x[rows])
-        logits = self.lm_head(hidden).split([segment.num_logits for segment in batch])
+            logits = self.lm_head(self.norm(x[rows]))
+        logits = logits.split([segment.num_logits for segment in batch])
         tapped = taps.split(sizes) if taps is not None else [None] * len(batch)
         for segment in batch:
             segment.cache.advance(segment.num_tokens)

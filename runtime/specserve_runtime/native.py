@@ -5,7 +5,7 @@ and its head vectors are whole AVX-512 registers; Transformer.forward_batch then
 over its torch layers. The C layers read the same packed weights and norm parameters the modules hold (no copy),
 and compute each row alone, in one fixed order, so a verify block's rows are plain decoding's bits. A DFlash
 drafter's layers and its context projection, and an EAGLE-3 drafter's layer, on int8 products too, run the same
-way (dflash.DFlashDrafter's draft_hidden and project_context, eagle3.Eagle3Drafter.forward).
+way (dflash.DFlashDrafter's draft_slots and project_context, eagle3.Eagle3Drafter.forward).
 """
 
 import ctypes
@@ -106,8 +106,8 @@ class NativeLayers:
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
             batch: list[tuple[KVCache, torch.Tensor, torch.Tensor | None]], tap_layers: tuple[int, ...] = (),
-            embeds: torch.Tensor | None = None, kept: torch.Tensor | None = None, norm: RMSNorm | None = None
-            ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            embeds: torch.Tensor | None = None, kept: torch.Tensor | None = None, norm: RMSNorm | None = None,
+            head: Int8Blocks | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """x [N, H] (the segments' new rows end to end) through every layer, in place, each row at its position
         (int64 [N]) of the RoPE tables cos/sin [P, D] (RotaryEmbedding.tables). batch: per segment, its cache,
         `visible` [T, T] bool, the new rows each new row sees, and `cached_visible` [T, cache.length] bool, the cached
@@ -117,9 +117,11 @@ class NativeLayers:
         output projection and MLP, and come out of it as they went in (the last layer cannot be tapped then).
         norm: the model's norm after its last layer, applied here to the kept rows for its LM head, so that no torch
         operation runs between the layers and the head (right after the layers' products, on caches they evicted,
-        torch's RMSNorm took 4-6 times its warm time: docs/benchmarks.md, "Cold operations").
+        torch's RMSNorm took 4-6 times its warm time: docs/benchmarks.md, "Cold operations"). head (with norm): the
+        LM head those rows then go through in the same call (its int8 blocks, H wide), for the same reason.
         -> (the tapped layers' outputs side by side in layer order [N, taps * H], or None;
-            the kept rows, in order, through `norm` [kept rows, H], or None without it)."""
+            the kept rows, in order, through `norm` [kept rows, H] and then `head` [kept rows, its outputs], or None
+            without a norm)."""
         for rows in (x, embeds) if embeds is not None else (x,):
             if rows.dtype != torch.float32 or not rows.is_contiguous() or rows.shape != (x.shape[0], self.shape.hidden):
                 raise ValueError(f"decoder_layers take contiguous float32 rows of {self.shape.hidden}, not "
@@ -149,15 +151,25 @@ class NativeLayers:
                 raise ValueError(f"the final norm's weight must be float32 [{self.shape.hidden}], not "
                                  f"{norm.weight.dtype} {tuple(norm.weight.shape)}")
             normed = torch.empty(int(kept.sum()) if kept is not None else x.shape[0], self.shape.hidden)
+        logits = head_weight = None
+        if head is not None:
+            if norm is None:
+                raise ValueError("an LM head in decoder_layers needs the final norm before it")
+            if head.shape[1] != self.shape.hidden:
+                raise ValueError(f"an LM head in decoder_layers takes {self.shape.hidden} values a row, not {head.shape[1]}")
+            head_weight = Int8Weight.of(head)
+            logits = torch.empty(normed.shape[0], head.shape[0])
         status = blockquant.library().decoder_layers(
             ctypes.byref(self.layers), ctypes.byref(self.shape), x.data_ptr(),
             embeds.data_ptr() if embeds is not None else None, x.shape[0], cos.data_ptr(), sin.data_ptr(), cos.shape[0],
             positions.data_ptr(), segments, len(batch), tapped, taps.data_ptr() if taps is not None else None,
             kept.data_ptr() if kept is not None else None, norm.weight.data_ptr() if norm is not None else None,
-            norm.eps if norm is not None else 0.0, normed.data_ptr() if normed is not None else None)
+            norm.eps if norm is not None else 0.0, normed.data_ptr() if normed is not None else None,
+            ctypes.byref(head_weight) if head_weight is not None else None,
+            logits.data_ptr() if logits is not None else None)
         if status != 0:
             raise ValueError(f"decoder_layers refused {x.shape[0]} rows in {len(batch)} segments: status {status}")
-        return taps, normed
+        return taps, logits if logits is not None else normed
 
     def write_context(self, fc: Int8Blocks, hidden_norm: torch.Tensor, features: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor, cache: KVCache) -> None:

@@ -191,7 +191,7 @@ def test_a_model_drafter_drafts_for_the_whole_batch_in_one_forward_per_pass(tiny
     engine.step(batch)  # the prompts
     calls = []
     drafter = engine.proposer.drafter
-    entry = "draft_hidden" if method == "dflash" else "forward"
+    entry = "draft_slots" if method == "dflash" else "forward"
     drafting = getattr(drafter, entry)
     monkeypatch.setattr(drafter, entry, lambda rows, *args, **kwargs: calls.append(rows.shape[0]) or drafting(rows, *args, **kwargs))
     engine.step(batch)

@@ -212,8 +212,8 @@ def test_a_build_is_reused_from_the_cache(tmp_path, monkeypatch):
 @pytest.mark.parametrize("target", ["tiny_llama_blocks", "tiny_llama_int8"])
 def test_the_onednn_baseline_decodes_on_float32_layouts_and_restores_the_blocks(request, target, tmp_path,
                                                                                 monkeypatch):
-    """Neither blockquant's products nor decoder.c's layers (which read the int8 blocks themselves) run in the
-    baseline; both are back afterwards."""
+    """Neither blockquant's products nor decoder.c's layers (which read the int8 blocks themselves, the LM head's
+    too) run in the baseline; both are back afterwards."""
     from specserve_runtime import bench
     from specserve_runtime.bench import baseline_runners, parse_baselines
     from specserve_runtime.loader import LoadedModel
@@ -225,12 +225,13 @@ def test_the_onednn_baseline_decodes_on_float32_layouts_and_restores_the_blocks(
     calls = []
     kernel, layers = blockquant.linear, NativeLayers.run
     monkeypatch.setattr(blockquant, "linear", lambda *args, **kwargs: calls.append("linear") or kernel(*args, **kwargs))
-    monkeypatch.setattr(NativeLayers, "run", lambda *args, **kwargs: calls.append("layers") or layers(*args, **kwargs))
+    monkeypatch.setattr(NativeLayers, "run", lambda *args, **kwargs: calls.append(
+        "layers and head" if kwargs.get("head") is not None else "layers") or layers(*args, **kwargs))
     runners = baseline_runners(model, parse_baselines("onednn"), context=64, threads=torch.get_num_threads())
     tokens, seconds, first_token = runners["ar-onednn"]([5, 6, 7], 6)
     assert calls == [] and 1 <= len(tokens) <= 6 and 0 < first_token <= seconds
     plain = bench.build_engine(model, "ar").generate(bench.Request([5, 6, 7], 6))
-    assert set(calls) == ({"linear", "layers"} if target == "tiny_llama_int8" else {"linear"})
+    assert set(calls) == ({"layers and head"} if target == "tiny_llama_int8" else {"linear"})
     if target == "tiny_llama_blocks":  # the same float32 arithmetic: the same output here
         assert plain.token_ids == tokens
 

@@ -206,9 +206,10 @@ def test_drafting_in_c_layers_computes_what_the_torch_layers_compute(tiny_llama)
     two steps), against the torch layers on the same products (a last-bit difference may round one int8
     activation a step apart: test_model's test_native_layers_compute_what_the_torch_layers_compute); drafting
     leaves each context cache as it was."""
-    drafter = build_proposer("dflash", tiny_llama, ProposerOptions("random", 7, mask_token_id=95)).drafter
+    proposer = build_proposer("dflash", tiny_llama, ProposerOptions("random", 7, mask_token_id=95))
+    drafter, head = proposer.drafter, proposer.head
     native = drafter.native_layers
-    assert native is not None
+    assert native is not None and head.linear.int8_blocks is not None
     tokens = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(6))
     taps = tiny_llama(tokens, tiny_llama.new_cache(32), tap_layers=drafter.config.target_layer_ids).taps
     cfg = drafter.config
@@ -220,15 +221,18 @@ def test_drafting_in_c_layers_computes_what_the_torch_layers_compute(tiny_llama)
                           CACHE_DTYPE) for n in (11, 5)]  # decoder.c's; the torch layers read them back as float32
         drafter.project_context([(caches[0], taps[:7]), (caches[1], taps[:5])])
         drafter.project_context([(caches[0], taps[7:11])])
-        return caches, drafter.draft_hidden(tiny_llama.embed_tokens(blocks), caches, cfg.block_size - 1)
+        return caches, drafter.draft_slots(tiny_llama.embed_tokens(blocks), caches, cfg.block_size - 1)
 
     try:
         expected_caches, expected = draft(None)
         caches, hidden = draft(native)
         context = [(cache.k[:, :, : cache.length].clone(), cache.v[:, :, : cache.length].clone()) for cache in caches]
-        assert torch.equal(hidden, drafter.draft_hidden(tiny_llama.embed_tokens(blocks), caches, 7))  # nothing kept
+        assert torch.equal(hidden, drafter.draft_slots(tiny_llama.embed_tokens(blocks), caches, 7))  # nothing kept
         # Drafting fewer slots runs the last layer's MLP on those rows alone: the same bits for them.
-        assert torch.equal(hidden[:, :3], drafter.draft_hidden(tiny_llama.embed_tokens(blocks), caches, 3))
+        assert torch.equal(hidden[:, :3], drafter.draft_slots(tiny_llama.embed_tokens(blocks), caches, 3))
+        # With the head, in the same call: the head's own product on those rows, bit for bit.
+        logits = drafter.draft_slots(tiny_llama.embed_tokens(blocks), caches, 3, head)
+        assert logits.shape == (2, 3, head.weight.shape[0]) and torch.equal(logits, head.logits(hidden[:, :3]))
     finally:
         drafter.native_layers = native
     for cache, want, (k, v) in zip(caches, expected_caches, context):

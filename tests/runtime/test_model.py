@@ -424,6 +424,30 @@ def test_rows_not_kept_skip_the_last_layer_and_the_kept_keep_their_bits(tiny_lla
         native.run(x.clone(), cos, sin, positions, [(model.new_cache(rows), causal, None)], norm=RMSNorm(32, 1e-5))
 
 
+@needs_vnni
+def test_the_lm_head_in_the_layers_call_gives_its_own_products_bits(tiny_llama_int8):
+    """native.run's `head`: the kept rows, normed, go through the LM head in the same call, with the bits of the head's
+    own product on those rows (blockquant.linear); a head needs the norm before it and the model's width."""
+    model, native = tiny_llama_int8, tiny_llama_int8.native_layers
+    rows = 5
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(4))
+    cos, sin, positions = *model.rotary.tables(rows), torch.arange(rows)
+    causal = torch.ones(rows, rows, dtype=torch.bool).tril()
+    kept = torch.tensor([True, False, False, True, True])
+    head = model.lm_head.int8_blocks
+    _, normed = native.run(x.clone(), cos, sin, positions, [(model.new_cache(rows), causal, None)], kept=kept,
+                           norm=model.norm)
+    _, logits = native.run(x.clone(), cos, sin, positions, [(model.new_cache(rows), causal, None)], kept=kept,
+                           norm=model.norm, head=head)
+    assert logits.shape == (3, model.config.vocab_size) and torch.equal(logits, blockquant.linear(normed, head))
+    assert torch.equal(logits, model.lm_head(normed))  # what forward_batch computed before the head joined the call
+    with pytest.raises(ValueError, match="an LM head in decoder_layers needs the final norm before it"):
+        native.run(x.clone(), cos, sin, positions, [(model.new_cache(rows), causal, None)], head=head)
+    narrow = blockquant.int8_layout(blockquant.q8_0_blocks(torch.zeros(64, 32)))
+    with pytest.raises(ValueError, match="an LM head in decoder_layers takes 64 values a row, not 32"):
+        native.run(x.clone(), cos, sin, positions, [(model.new_cache(rows), causal, None)], norm=model.norm, head=narrow)
+
+
 def test_a_bad_target_int8_switch_is_refused_by_name(tiny_llama_blocks_dir, monkeypatch):
     monkeypatch.setenv("SPECSERVE_TARGET_INT8", "yes")
     with pytest.raises(ModelError, match="SPECSERVE_TARGET_INT8 is 1 \\(int8 products\\) or 0 \\(float32 products\\), not 'yes'"):

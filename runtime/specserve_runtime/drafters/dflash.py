@@ -33,7 +33,7 @@ from . import (
     drafter_source,
     int8_drafting,
 )
-from .vocab import add_vocab_buffers, draft_token_ids
+from .vocab import DraftHead, add_vocab_buffers, draft_token_ids
 
 DEFAULT_BLOCK_SIZE = 8
 # SmolLM2 has no mask token and no free embedding row. <empty_output> (id 16) is a special token
@@ -243,19 +243,22 @@ class DFlashDrafter(nn.Module):
             x = layer(x, cos, sin, [context_kv[i] for context_kv in contexts], mask)
         return self.norm(x)
 
-    def draft_hidden(self, block_embeds: torch.Tensor, caches: list[KVCache], slots: int) -> torch.Tensor:
+    def draft_slots(self, block_embeds: torch.Tensor, caches: list[KVCache], slots: int,
+                    head: DraftHead | None = None) -> torch.Tensor:
         """Inference: the blocks of len(caches) sequences, end to end, each placed right after its context (the
         cache's keys/values) -> the normalised hidden states [len(caches), slots, H] of each block's slots
         1..slots, the ones that draft, as forward() computes them (slots at most the block's B - 1: a tree may
-        have more nodes than the block has slots). decoder.c works in place: block_embeds [N, H] (contiguous
-        float32) are overwritten."""
+        have more nodes than the block has slots); with `head`, their logits by it [len(caches), slots, V], in
+        decoder.c's same call where the head is on int8 blocks (docs/benchmarks.md, "Between the C calls").
+        decoder.c works in place: block_embeds [N, H] (contiguous float32) are overwritten."""
         block_size = block_embeds.shape[0] // len(caches)
         slots = min(slots, block_size - 1)
         positions = [cache.length + slot for cache in caches for slot in range(block_size)]
         if self.native_layers is None:
             contexts = [[cache.get(layer) for layer in range(len(self.layers))] for cache in caches]
             x = self(block_embeds, torch.tensor(positions), contexts)
-            return x.view(len(caches), block_size, -1)[:, 1 : 1 + slots]
+            hidden = x.view(len(caches), block_size, -1)[:, 1 : 1 + slots]
+            return head.logits(hidden) if head is not None else hidden
         # decoder.c: each block row sees all of its context and all of its block, no mask. The block's keys and
         # values go into the cache's slots after the context, which the cache's length never covers: the next
         # context projection overwrites them. The last layer's output is computed for the drafting slots only: the
@@ -264,9 +267,11 @@ class DFlashDrafter(nn.Module):
         everything = torch.ones(block_size, block_size, dtype=torch.bool)
         drafting = torch.tensor([0 < slot <= slots for _ in caches for slot in range(block_size)])
         segments = [(cache, everything, None) for cache in caches]
-        _, normed = self.native_layers.run(block_embeds, cos, sin, torch.tensor(positions), segments, kept=drafting,
-                                           norm=self.norm)
-        return normed.view(len(caches), slots, -1)
+        blocks = getattr(head.linear, "int8_blocks", None) if head is not None else None
+        _, out = self.native_layers.run(block_embeds, cos, sin, torch.tensor(positions), segments, kept=drafting,
+                                        norm=self.norm, head=blocks)
+        out = out.view(len(caches), slots, -1)
+        return head.logits(out) if head is not None and blocks is None else out
 
 
 def draft_tree(log_probs: torch.Tensor, ids: torch.Tensor, num_nodes: int) -> DraftTree:
@@ -310,7 +315,7 @@ class DFlashProposer(ModelProposer):
 
     def begin(self, capacity: int) -> None:
         super().begin(capacity)
-        cfg = self.drafter.config  # room for a block after the context (DFlashDrafter.draft_hidden)
+        cfg = self.drafter.config  # room for a block after the context (DFlashDrafter.draft_slots)
         self.context_cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                                      capacity + cfg.block_size, native.cache_dtype(self.drafter.native_layers))
         self.pending = []
@@ -330,14 +335,13 @@ class DFlashProposer(ModelProposer):
         # The context covers every committed token but the last, so each block starts at that token.
         cfg, block_size = self.drafter.config, self.drafter.config.block_size
         embeddings = self.target.embed_tokens.weight
-        # Each block: that token, then mask tokens, embedded in a new tensor (draft_hidden overwrites it).
+        # Each block: that token, then mask tokens, embedded in a new tensor (draft_slots overwrites it).
         block_embeds = embeddings[cfg.mask_token_id].repeat(len(drafting) * block_size, 1)
         block_embeds[::block_size] = embeddings[[tokens[-1] for _, tokens in drafting]]
         caches = [proposer.context_cache for proposer, _ in drafting]
         # Slot i (i >= 1) predicts the token i places after the last committed one. No draft, chain
         # or tree, reaches deeper than its sequence's count.
-        hidden = self.drafter.draft_hidden(block_embeds, caches, max(counts))
-        logits = self.head.logits(hidden)
+        logits = self.drafter.draft_slots(block_embeds, caches, max(counts), self.head)
         if self.tree:  # every drafting sequence's slots' most likely guesses, in one call
             width = min(max(counts), logits.shape[-1])
             log_probs, ids = (top.view(*logits.shape[:2], width)
