@@ -206,13 +206,13 @@ class Transformer(nn.Module):
                 kept[rows] = True
             segments = [(s.cache, s.visible(), None) for s in batch]
             cos, sin = self.rotary.tables(max(positions) + 1)
-            # The LM head in the same call, unless the last layer is tapped in a prompt: then every row is normed,
-            # and only the rows read go through the head.
+            # The LM head in the same call (its int8 blocks are there whenever decoder.c's layers are), unless the
+            # last layer is tapped in a prompt: then every row is normed, and only the rows read go through the head.
             every_row_read = kept is not None or len(rows) == len(x)
             head = self.lm_head.int8_blocks if every_row_read else None
             taps, out = self.native_layers.run(x, cos, sin, torch.tensor(positions), segments, tap_layers, kept=kept,
                                                norm=self.norm, head=head)
-            logits = out if head is not None else self.lm_head(out if every_row_read else out[rows])
+            logits = out if head is not None else self.lm_head(out[rows])
         else:
             cos, sin = self.rotary(torch.tensor(positions))
             masks = [segment.mask() for segment in batch]

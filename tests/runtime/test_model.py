@@ -448,6 +448,17 @@ def test_the_lm_head_in_the_layers_call_gives_its_own_products_bits(tiny_llama_i
         native.run(x.clone(), cos, sin, positions, [(model.new_cache(rows), causal, None)], norm=model.norm, head=narrow)
 
 
+@needs_vnni
+def test_a_prompt_with_its_last_layer_tapped_gives_the_same_last_logits(tiny_llama_int8):
+    """With the last layer tapped, a prompt's rows cannot skip it (no `kept`): every row is normed, and only the last
+    goes through the LM head, outside decoder.c's call. Its logits are the same bits as without the tap."""
+    model, prompt = tiny_llama_int8, torch.tensor([5, 17, 42, 8, 3, 60])
+    last_layer = (model.config.num_hidden_layers - 1,)
+    tapped = model(prompt, model.new_cache(8), last_layer, last_logits_only=True)
+    assert tapped.logits.shape == (1, model.config.vocab_size) and tapped.taps.shape == (6, model.config.hidden_size)
+    assert torch.equal(tapped.logits, model(prompt, model.new_cache(8), last_logits_only=True).logits)
+
+
 def test_a_bad_target_int8_switch_is_refused_by_name(tiny_llama_blocks_dir, monkeypatch):
     monkeypatch.setenv("SPECSERVE_TARGET_INT8", "yes")
     with pytest.raises(ModelError, match="SPECSERVE_TARGET_INT8 is 1 \\(int8 products\\) or 0 \\(float32 products\\), not 'yes'"):
