@@ -30,11 +30,12 @@ MAX_NGRAM, LONGEST_COPY = 6, 8
 def accepted_nodes(tree, truth) -> list[int]:
     """The nodes of the tree's branch that `truth` follows from the root, root first."""
     child = {(parent, token): node for node, (token, parent) in enumerate(zip(tree.tokens, tree.parents))}
-    nodes: list[int] = []
+    nodes, node = [], -1  # -1: the root
     for token in truth:
-        if (nodes[-1] if nodes else -1, token) not in child:
+        if (node, token) not in child:
             break
-        nodes.append(child[(nodes[-1] if nodes else -1, token)])
+        node = child[(node, token)]
+        nodes.append(node)
     return nodes
 
 
