@@ -180,18 +180,20 @@ static inline __m512i four_inputs(const int8_t *q) {  /* q[0..3] in every int32 
 }
 
 /* How far ahead a tile asks for weights: 24 blocks (6 KB of Q4_1 bytes, 12 KB of Q8_0); 16 to 64 measured alike
-   for several rows. Into L1 instead, one row was slower. */
+   for several rows into L2, 12 and 48 no better non-temporally. Into L1 (_MM_HINT_T0), one row was slower. */
 #define PREFETCH_BLOCKS 24
 
 /* One tile of the product: the 16 outputs of group g by `tile` rows from r0 (1 to TILE512). `tile` is a constant
    where it is inlined (linear512_int8), so that every accumulator stays in a register and no instruction tests
    how many rows there are: that made a one-row step of the target 0.8x the time of a loop over a tile's rows
    counted at run time, and 4 to 12 rows 0.8-0.85x (docs/benchmarks.md, "Tiles of a known size").
-   A tile also asks for the weights PREFETCH_BLOCKS blocks ahead of the one it multiplies, into L2: with only the
+   A tile also asks for the weights PREFETCH_BLOCKS blocks ahead of the one it multiplies: with only the
    hardware's prefetcher, each block's arithmetic left memory idle until the next block's loads missed, so every
    row a verify added cost its products' whole time on top of the reads, and even one row read the weights
-   slower than memory gives them. Prefetching changes no arithmetic: the same bits (docs/benchmarks.md, "Weights
-   asked for ahead"). */
+   slower than memory gives them. It asks non-temporally (_MM_HINT_NTA): a weight is read once a step, and the
+   target's 111 MB pass through caches a third that size: a forward of 1 to 12 rows takes 0.83-0.96x the time it
+   took asking into L2 (_MM_HINT_T1; docs/benchmarks.md, "Weights streamed past the caches"). Prefetching changes
+   no arithmetic: the same bits (docs/benchmarks.md, "Weights asked for ahead"). */
 __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline))
 static inline void int8_tile(const int tile, const int8_t *qx, const float *dx, const float *sx, int64_t r0, int64_t k,
                              const uint8_t *q4, const uint8_t *q8, const float *scale, const float *minimum, int64_t g,
@@ -204,9 +206,9 @@ static inline void int8_tile(const int tile, const int8_t *qx, const float *dx, 
         const int64_t ahead = at + PREFETCH_BLOCKS;
         if (ahead < n_out / GROUP * blocks) {  /* that block's bytes (4 or 8 lines), its d and min (a line each) */
             const char *bytes = q4 ? (const char *)(q4 + ahead * 4 * 64) : (const char *)(q8 + ahead * 8 * 64);
-            for (int c = 0; c < (q4 ? 4 : 8); c++) _mm_prefetch(bytes + c * 64, _MM_HINT_T1);
-            _mm_prefetch((const char *)(scale + ahead * GROUP), _MM_HINT_T1);
-            if (q4) _mm_prefetch((const char *)(minimum + ahead * GROUP), _MM_HINT_T1);
+            for (int c = 0; c < (q4 ? 4 : 8); c++) _mm_prefetch(bytes + c * 64, _MM_HINT_NTA);
+            _mm_prefetch((const char *)(scale + ahead * GROUP), _MM_HINT_NTA);
+            if (q4) _mm_prefetch((const char *)(minimum + ahead * GROUP), _MM_HINT_NTA);
         }
         __m512i dot[TILE512];
         for (int r = 0; r < tile; r++) dot[r] = _mm512_setzero_si512();
