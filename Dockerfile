@@ -3,9 +3,9 @@
 #   --target runtime      vLLM's OpenAI image + specserve + the bundled drafters   ghcr.io/specserve/runtime
 #   --target runtime-cpu  the embedded PyTorch engine (CPU) + the bundled drafters  ghcr.io/specserve/runtime-cpu
 #   --target operator     the kopf operator, no torch                               ghcr.io/specserve/operator
-# Bases are pinned by exact tag (vLLM v0.28.0 serves DFlash and DFlash2). The drafters land in
-# /opt/specserve/drafters, where the operator renders `draftModel: bundled://NAME`
-# (tests/operator/test_images.py keeps the three in agreement).
+# Bases are pinned by exact tag. The bundled drafters travel in the wheel (package data), where the runtime
+# resolves `draftModel: bundled://NAME` (tests/operator/test_images.py keeps the images, the operator and the
+# chart in agreement).
 
 # The project wheel, built once: no build tools reach the final stages.
 FROM python:3.11.7-slim-bookworm AS wheel
@@ -40,7 +40,6 @@ RUN useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin specserve
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu \
         "torch==2.13.0+cpu" "specserve[runtime] @ file:///wheels/specserve-${SPECSERVE_VERSION}-py3-none-any.whl"
-COPY runtime/specserve_runtime/drafters/weights/ /opt/specserve/drafters/
 COPY --from=kernels /kernels/ /opt/specserve/kernels/
 ENV SPECSERVE_CACHE=/cache HF_HOME=/cache/huggingface SPECSERVE_KERNELS=/opt/specserve/kernels
 USER 10001
@@ -55,7 +54,6 @@ RUN useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin specserve
 # pyyaml): the wheel alone, so that nothing replaces the versions vLLM was built against.
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     pip install --no-cache-dir --no-deps "/wheels/specserve-${SPECSERVE_VERSION}-py3-none-any.whl"
-COPY runtime/specserve_runtime/drafters/weights/ /opt/specserve/drafters/
 ENV SPECSERVE_CACHE=/cache HF_HOME=/cache/huggingface
 USER 10001
 EXPOSE 8000

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
-from specserve_runtime.config import BUNDLED_DRAFTERS, MAX_PROMPT_LOOKUP
+from specserve_runtime.config import BUNDLED_DRAFTERS, MAX_PROMPT_LOOKUP, BatchSizeRange, schedule_problems
 
 GROUP, VERSION = "specserve.io", "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -22,9 +22,12 @@ RUNTIME_IMAGES = {"vllm": f"ghcr.io/specserve/runtime:{RELEASE}", "embedded": f"
 Method = Literal["none", "ngram", "eagle3", "dflash"]
 ALL_METHODS: list[Method] = ["none", "ngram", "eagle3", "dflash"]
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-MODEL_URI = r"^(hf|pvc|s3)://.+$"
-# A drafter may also be one the runtime images embed: bundled://NAME.
-DRAFT_MODEL_URI = rf"^((hf|pvc|s3)://.+|bundled://({'|'.join(BUNDLED_DRAFTERS)}))$"
+# hf://ORG/NAME (the engine's model id: its hub, or HF_HOME's cache) or pvc://CLAIM/PATH (the operator mounts the
+# claim read-only). s3:// is not fetched: a bucket's folder goes on a volume first.
+PVC_URI = r"pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?"
+MODEL_URI = rf"^(hf://.+|{PVC_URI})$"
+# A drafter may also be one the runtime carries: bundled://NAME.
+DRAFT_MODEL_URI = rf"^(hf://.+|{PVC_URI}|bundled://({'|'.join(BUNDLED_DRAFTERS)}))$"
 Quantity = int | str
 
 
@@ -75,6 +78,9 @@ class ProfileLimits(Model):
     max_replicas: int = Field(8, ge=1, le=1000, description="per SpeculativeServing, all revisions together")
     max_hourly_cost_usd: float | None = Field(None, alias="maxHourlyCostUSD", gt=0)
     allowed_methods: list[Method] = Field(default_factory=lambda: list(ALL_METHODS), min_length=1)
+    max_num_speculative_tokens: int | None = Field(
+        None, ge=1, le=64, description="the most drafts a step a serving may run (numSpeculativeTokens and every "
+        "numSpeculativeTokensPerBatchSize entry); a speculating serving must then name its numSpeculativeTokens")
 
 
 class Slo(Model):
@@ -93,8 +99,24 @@ class ServingProfileSpec(Model):
 
 class ModelRef(Model):
     name: str = Field(min_length=1, description="target model id as the engine knows it")
-    uri: str = Field(pattern=MODEL_URI, description="hf://, pvc://CLAIM/path or s3://bucket/path")
+    uri: str = Field(pattern=MODEL_URI, description="hf://ORG/NAME or pvc://CLAIM/PATH (mounted read-only)")
     served_name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$", max_length=128)
+
+
+_SCHEDULE = "self.numSpeculativeTokensPerBatchSize"
+SCHEDULE_COVERS = "numSpeculativeTokensPerBatchSize: ordered ranges cover every batch size from 1 once (no gap or overlap)"
+SCHEDULE_RULES = [cel(f"!has({_SCHEDULE}) || {rule}", message, ".numSpeculativeTokensPerBatchSize") for rule, message in [
+    ("self.method != 'none'", "numSpeculativeTokensPerBatchSize: method none drafts nothing"),
+    (f"{_SCHEDULE}[0].minBatchSize == 1 && {_SCHEDULE}.map(r, r.minBatchSize).isSorted() && "
+     f"{_SCHEDULE}.all(r, {_SCHEDULE}.exists_one(s, s.minBatchSize == r.minBatchSize)) && "
+     f"{_SCHEDULE}.all(r, r.minBatchSize == 1 || "
+     f"{_SCHEDULE}.exists(p, has(p.maxBatchSize) && p.maxBatchSize + 1 == r.minBatchSize)) && "
+     f"{_SCHEDULE}.all(r, !has(r.maxBatchSize) || r.maxBatchSize >= r.minBatchSize) && "
+     f"{_SCHEDULE}.all(r, has(r.maxBatchSize) || r.minBatchSize == {_SCHEDULE}[size({_SCHEDULE}) - 1].minBatchSize)",
+     SCHEDULE_COVERS),
+    (f"!has(self.numSpeculativeTokens) || {_SCHEDULE}.all(r, r.numSpeculativeTokens <= self.numSpeculativeTokens)",
+     "numSpeculativeTokensPerBatchSize: no range drafts more than numSpeculativeTokens"),
+]]
 
 
 class Speculator(Model):
@@ -106,6 +128,7 @@ class Speculator(Model):
                 cel("self.method in ['dflash', 'eagle3'] || !has(self.draftTree)", "draftTree is for methods dflash and eagle3"),
                 cel("self.method in ['dflash', 'eagle3'] || !has(self.promptLookup)",
                     "promptLookup is for methods dflash and eagle3"),
+                *SCHEDULE_RULES,
             ]
         }
     )
@@ -124,6 +147,11 @@ class Speculator(Model):
         None, ge=0, le=MAX_PROMPT_LOOKUP, description="dflash, eagle3 on the embedded engine: beside the drafts, verify up to this "
         "many tokens that prompt lookup copies from the sequence, 0 none; default: the drafter's own operating point"
     )
+    num_speculative_tokens_per_batch_size: list[BatchSizeRange] | None = Field(
+        None, min_length=1, max_length=32, description="drafts a step by how many requests decode together: ranges "
+        "{minBatchSize, maxBatchSize (the last may be open), numSpeculativeTokens (0: none)} from batch size 1, in "
+        "order, no gap or overlap; vLLM's option of this name, the embedded engine's draft length"
+    )
 
     @model_validator(mode="after")
     def _draft_model_where_needed(self):
@@ -136,6 +164,10 @@ class Speculator(Model):
         if self.method not in ("dflash", "eagle3") and self.prompt_lookup is not None:
             raise ValueError(f"promptLookup: a prompt-lookup branch joins a drafter model's drafts (dflash, eagle3), "
                              f"not method {self.method}'s")
+        problems = schedule_problems(self.num_speculative_tokens_per_batch_size, self.method,
+                                     self.num_speculative_tokens, "numSpeculativeTokensPerBatchSize")
+        if problems:
+            raise ValueError(problems[0])
         return self
 
     def embedded_only(self) -> list[str]:

@@ -130,7 +130,8 @@ TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"
 E2E_LATENCY = "vllm:e2e_request_latency_seconds"
 QUEUE_TIME = "vllm:request_queue_time_seconds"
 IN_SYSTEM = ("vllm:num_requests_running", "vllm:num_requests_waiting")  # gauges
-ERROR_REASONS = ("abort", "error")  # finished_reason values that count as errors
+# finished_reason values that count as errors; vLLM's others (stop, length, repetition) are requests served
+ERROR_REASONS = ("abort", "error")
 
 # The samples a window needs, each with the one label that tells its series apart; every other
 # label (model_name, engine) is summed away.

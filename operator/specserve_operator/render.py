@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from specserve_runtime.config import BUNDLED_DRAFTERS_DIR, CONFIG_FILE, CONFIG_MOUNT, DEFAULT_PORT, RuntimeConfig
+from specserve_runtime.config import CONFIG_FILE, CONFIG_MOUNT, DEFAULT_PORT, PVC_MOUNT, RuntimeConfig, pvc_claim
 
 from . import api
 from .capacity import Point
@@ -88,7 +88,7 @@ class Settings:
 
 # Speculator fields newer than the revisions already running: hashed only where set, so that an operator that
 # knows them gives a revision that does not use them the hash it had, and upgrading the operator rolls no pods.
-HASHED_WHERE_SET = ("prompt_lookup",)
+HASHED_WHERE_SET = ("prompt_lookup", "num_speculative_tokens_per_batch_size")
 
 
 def revision_hash(model: api.ModelRef, speculator: api.Speculator, runtime: api.RuntimeSpec) -> str:
@@ -241,24 +241,20 @@ def metadata(serving: Serving, profile: Profile, name: str, extra_labels: dict |
     return meta
 
 
-def drafter_location(draft_model: str | None) -> str | None:
-    """bundled://NAME is a folder inside the runtime images; other URIs go to the runtime as written."""
-    if draft_model and draft_model.startswith("bundled://"):
-        return f"{BUNDLED_DRAFTERS_DIR}/{draft_model.removeprefix('bundled://')}"
-    return draft_model
-
-
 def runtime_config(serving: Serving, revision: Revision) -> RuntimeConfig:
+    """The revision's runtime configuration. References go as written: the runtime resolves hf://, the folder
+    where the pod mounts a pvc:// claim, and bundled:// (config.local_reference)."""
     model, speculator = serving.spec.model, revision.speculator
     return RuntimeConfig(
         model=model.name,
         model_uri=model.uri,
         served_name=model.served_name,
         method=speculator.method,
-        drafter=drafter_location(speculator.draft_model),
+        drafter=speculator.draft_model,
         num_speculative_tokens=speculator.num_speculative_tokens,
         draft_tree=speculator.draft_tree,
         prompt_lookup=speculator.prompt_lookup,
+        num_speculative_tokens_per_batch_size=speculator.num_speculative_tokens_per_batch_size,
         engine=revision.runtime.engine,
         engine_args=revision.runtime.args,
         port=DEFAULT_PORT,
@@ -288,6 +284,35 @@ def _resources(profile: Profile, runtime: api.RuntimeSpec) -> dict:
     return {key: value for key, value in (("requests", requests), ("limits", limits)) if value}
 
 
+# Where each engine says it can take requests: the embedded server's /ready answers 200 once its model is loaded;
+# vLLM's server listens only once its engine is up, and its /health then answers 200 (it has no /ready).
+READINESS_PATHS = {"embedded": "/ready", "vllm": "/health"}
+# The pod's root filesystem is read-only: every cache an engine writes (compiled graphs, downloads, HOME's
+# dotfiles) goes to the `cache` volume.
+CACHE_MOUNT = "/cache"
+CACHE_ENV = {
+    "HOME": CACHE_MOUNT,
+    "XDG_CACHE_HOME": f"{CACHE_MOUNT}/xdg",
+    "SPECSERVE_CACHE": CACHE_MOUNT,
+    "HF_HOME": f"{CACHE_MOUNT}/huggingface",
+    "VLLM_CACHE_ROOT": f"{CACHE_MOUNT}/vllm",
+    "VLLM_CONFIG_ROOT": f"{CACHE_MOUNT}/vllm-config",
+    "VLLM_NO_USAGE_STATS": "1",
+}
+
+
+def claim_volumes(serving: Serving, revision: Revision) -> tuple[list[dict], list[dict]]:
+    """The volumes and mounts of the pvc:// claims the revision's model and drafter name: each claim read-only at
+    PVC_MOUNT/CLAIM, where the runtime looks for it (config.local_reference)."""
+    uris = [serving.spec.model.uri, revision.speculator.draft_model or ""]
+    claims = sorted({pvc_claim(uri)[0] for uri in uris if uri.startswith("pvc://")})
+    volumes = [{"name": f"pvc-{i}", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+               for i, claim in enumerate(claims)]
+    mounts = [{"name": f"pvc-{i}", "mountPath": f"{PVC_MOUNT}/{claim}", "readOnly": True}
+              for i, claim in enumerate(claims)]
+    return volumes, mounts
+
+
 def deployment(serving: Serving, profile: Profile, revision: Revision) -> dict:
     name = revision_name(serving, revision)
     # The role (stable / canary) is a label of the Deployment, not of its pods: promotion turns the
@@ -299,21 +324,20 @@ def deployment(serving: Serving, profile: Profile, revision: Revision) -> dict:
     if kueue and kueue.priority_class:
         pod_labels["kueue.x-k8s.io/priority-class"] = kueue.priority_class
     accelerator = profile.spec.accelerator
+    claims, claim_mounts = claim_volumes(serving, revision)
     probe = {"httpGet": {"path": "/health", "port": PORT_NAME}, "periodSeconds": 10, "timeoutSeconds": 5}
     container = {
         "name": "runtime",
         "image": revision.runtime.image or api.RUNTIME_IMAGES[revision.runtime.engine],
         "args": ["launch", "--config", f"{CONFIG_MOUNT}/{CONFIG_FILE}"],
         "ports": [{"name": PORT_NAME, "containerPort": DEFAULT_PORT, "protocol": "TCP"}],
-        "env": [
-            {"name": "SPECSERVE_CACHE", "value": "/cache"},
-            {"name": "HF_HOME", "value": "/cache/huggingface"},
-        ],
+        "env": [{"name": name, "value": value} for name, value in CACHE_ENV.items()],
         "resources": _resources(profile, revision.runtime),
         # Model downloads and compilation can take many minutes: the startup probe allows 30.
         "startupProbe": {**probe, "failureThreshold": 180},
         "livenessProbe": {**probe, "failureThreshold": 3},
-        "readinessProbe": {"httpGet": {"path": "/ready", "port": PORT_NAME}, "periodSeconds": 5, "failureThreshold": 2},
+        "readinessProbe": {"httpGet": {"path": READINESS_PATHS[revision.runtime.engine], "port": PORT_NAME},
+                           "periodSeconds": 5, "failureThreshold": 2},
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
@@ -322,9 +346,10 @@ def deployment(serving: Serving, profile: Profile, revision: Revision) -> dict:
         },
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
-            {"name": "cache", "mountPath": "/cache"},
+            {"name": "cache", "mountPath": CACHE_MOUNT},
             {"name": "tmp", "mountPath": "/tmp"},
             {"name": "shm", "mountPath": "/dev/shm"},
+            *claim_mounts,
         ],
     }
     pod_spec = {
@@ -344,6 +369,7 @@ def deployment(serving: Serving, profile: Profile, revision: Revision) -> dict:
             {"name": "cache", "emptyDir": {}},
             {"name": "tmp", "emptyDir": {}},
             {"name": "shm", "emptyDir": {"medium": "Memory"}},
+            *claims,
         ],
     }
     if accelerator.node_selector:

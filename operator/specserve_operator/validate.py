@@ -4,6 +4,8 @@ import re
 import sys
 
 from pydantic import ValidationError
+from specserve_runtime.config import local_reference
+from specserve_runtime.launch import DrafterLayoutError, check_vllm_drafter
 
 from . import api
 from .render import Profile, Serving
@@ -52,9 +54,31 @@ def parse_serving(obj: dict) -> tuple[Serving | None, list[str]]:
         spec = api.SpeculativeServingSpec.model_validate(obj.get("spec") or {})
     except ValidationError as exc:
         return None, problems + pydantic_problems("spec", exc)
+    problems += bundled_drafter_problems(spec)
     if problems:
         return None, problems
     return Serving(meta["name"], meta.get("namespace") or "default", meta.get("uid"), spec), []
+
+
+def speculators(spec: api.SpeculativeServingSpec) -> list[tuple[str, api.Speculator]]:
+    """The stable revision's speculator and a rollout candidate's, each with its field path."""
+    found = [("spec.speculator", spec.speculator)]
+    if spec.rollout:
+        found.append(("spec.rollout.candidate.speculator", spec.rollout.candidate.speculator))
+    return found
+
+
+def bundled_drafter_problems(spec: api.SpeculativeServingSpec) -> list[str]:
+    """A bundled:// drafter is a folder the operator can see (the runtime's package data): what vLLM needs of
+    it, and its method, are checked before any pod starts. Other references are checked by the runtime."""
+    problems = []
+    for path, speculator in speculators(spec):
+        if speculator.method in ("dflash", "eagle3") and (speculator.draft_model or "").startswith("bundled://"):
+            try:
+                check_vllm_drafter(local_reference(speculator.draft_model), speculator.method)
+            except DrafterLayoutError as exc:
+                problems.append(f"{path}.draftModel: {exc}")
+    return problems
 
 
 def parse_profile(obj: dict) -> tuple[Profile | None, list[str]]:
@@ -95,15 +119,14 @@ def check_against_profile(serving: Serving, profile: Profile | None, namespace_l
         problems.append(f"metadata.namespace: namespace {serving.namespace!r} not found")
     elif not selects(profile.spec.namespace_selector, namespace_labels):
         problems.append(f"spec.profile: ServingProfile {profile.name!r} does not select namespace {serving.namespace!r}")
-    methods = [("spec.speculator.method", spec.speculator.method)]
-    if spec.rollout:
-        methods.append(("spec.rollout.candidate.speculator.method", spec.rollout.candidate.speculator.method))
-    for path, method in methods:
-        if method not in limits.allowed_methods:
+    for path, speculator in speculators(spec):
+        if speculator.method not in limits.allowed_methods:
             problems.append(
-                f"{path}: method {method} is not allowed by ServingProfile {profile.name!r} "
+                f"{path}.method: method {speculator.method} is not allowed by ServingProfile {profile.name!r} "
                 f"(allowed: {', '.join(limits.allowed_methods)})"
             )
+    if limits.max_num_speculative_tokens is not None:
+        problems += speculative_tokens_problems(spec, profile)
     if spec.replicas.max > limits.max_replicas:
         problems.append(
             f"spec.replicas.max: {spec.replicas.max} exceeds ServingProfile {profile.name!r} limits.maxReplicas "
@@ -115,4 +138,23 @@ def check_against_profile(serving: Serving, profile: Profile | None, namespace_l
             f"spec.replicas.min: {spec.replicas.min} replicas cost ${cost:.2f}/h, above ServingProfile "
             f"{profile.name!r} limits.maxHourlyCostUSD (${limits.max_hourly_cost_usd:.2f}/h)"
         )
+    return problems
+
+
+def speculative_tokens_problems(spec: api.SpeculativeServingSpec, profile: Profile) -> list[str]:
+    """Every revision's drafts a step within the profile's limits.maxNumSpeculativeTokens; named, not left to the
+    drafter's default, which the operator cannot see (an hf:// or pvc:// drafter)."""
+    limit = profile.spec.limits.max_num_speculative_tokens
+    problems = []
+    for path, speculator in speculators(spec):
+        if speculator.method == "none":
+            continue
+        if speculator.num_speculative_tokens is None:
+            problems.append(f"{path}.numSpeculativeTokens: required, ServingProfile {profile.name!r} limits drafts "
+                            f"a step to {limit} (limits.maxNumSpeculativeTokens)")
+        counts = [("numSpeculativeTokens", speculator.num_speculative_tokens)] + [
+            (f"numSpeculativeTokensPerBatchSize[{i}].numSpeculativeTokens", entry.num_speculative_tokens)
+            for i, entry in enumerate(speculator.num_speculative_tokens_per_batch_size or [])]
+        problems += [f"{path}.{name}: {count} exceeds ServingProfile {profile.name!r} limits.maxNumSpeculativeTokens "
+                     f"({limit})" for name, count in counts if count is not None and count > limit]
     return problems

@@ -70,6 +70,8 @@ import math
 import statistics
 from dataclasses import dataclass
 
+from .config import BatchSizeRange, scheduled_tokens
+
 EXPLORE_EVERY = 32  # decode steps of a batch-size bucket between two exploring pairs, at first
 MAX_EXPLORE_EVERY = 256  # ... and at most, once exploring keeps confirming the choice
 EXPLORE_BUDGET = 0.01  # the share of a bucket's steps that exploring pairs may cost beyond plain decoding
@@ -93,6 +95,21 @@ class DecodeStep:
     ended_at: float
     after_drafting: bool  # the step before it drafted, at the same batch size: the drafter's context was current
     tokens: int  # committed: one per sequence and its accepted drafts
+
+
+class ScheduledDraftLength:
+    """The drafts per sequence a batch-size schedule gives (numSpeculativeTokensPerBatchSize), at most the
+    proposer's: chosen by whoever wrote the schedule, where DraftLengthChooser learns it."""
+
+    def __init__(self, schedule: list[BatchSizeRange], max_drafts: int):
+        self.schedule, self.max_drafts = schedule, max_drafts
+
+    def choose(self, batch_size: int, timed: bool = True) -> int:
+        return min(scheduled_tokens(self.schedule, batch_size), self.max_drafts)
+
+    def record(self, batch_size: int, length: int, started_at: float, seconds: float,
+               verified: list[tuple[int, int]]) -> None:
+        pass  # a schedule learns nothing
 
 
 class DraftLengthChooser:

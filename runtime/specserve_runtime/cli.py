@@ -3,6 +3,7 @@ that need them, so the operator's commands run where torch is not installed."""
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -128,15 +129,26 @@ def result_record(index: int, result) -> dict:
 
 
 def cmd_export_drafter(args) -> None:
-    from .drafters.dflash import export_speculators, load_dflash
+    import torch
+
+    from .drafters import checkpoint
+    from .drafters.dflash import load_dflash
+    from .drafters.eagle3 import load_eagle3
     from .drafters.vocab import draft_token_ids
+    from .launch import check_vllm_drafter
     from .loader import load_model
 
-    drafter = load_dflash(args.drafter)
-    # A reduced draft vocabulary ships its own LM head rows, cut from the target's.
-    target = load_model(args.model).target if draft_token_ids(drafter) is not None else None
-    export_speculators(drafter, args.out, args.verifier, args.verifier_architectures, target)
-    print(f"wrote a speculators-format DFlash checkpoint to {args.out}", file=sys.stderr)
+    if args.drafts is not None and args.drafts < 1:
+        raise UsageError(f"--drafts must be >= 1, got {args.drafts}")
+    method = checkpoint.drafter_method(args.drafter)
+    drafter = {"dflash": load_dflash, "eagle3": load_eagle3}[method](args.drafter)
+    # A reduced draft vocabulary ships its own LM head rows: the drafter's, else cut from the target's.
+    needs_target = draft_token_ids(drafter) is not None and not hasattr(drafter, "lm_head")
+    target = load_model(args.model).target if needs_target else None
+    checkpoint.export_speculators(drafter, args.out, args.verifier, args.verifier_architectures, target, args.drafter,
+                                  getattr(torch, args.dtype), args.drafts)
+    check_vllm_drafter(args.out, method)  # what `specserve launch` will ask of it before vLLM starts
+    print(f"wrote a speculators-format {method} drafter to {args.out}", file=sys.stderr)
 
 
 def cmd_distill(args) -> None:
@@ -259,11 +271,29 @@ def cmd_serve(args) -> None:
         config = read_config(args.config)
         if config.engine != "embedded":
             raise UsageError(f"{args.config}: engine {config.engine} runs with `specserve launch`, not `serve`")
-        args.model, args.method, args.port = config.model, config.method, config.port
-        args.drafter, args.served_model_name = config.drafter, config.served_name
+        args.model, args.method, args.port = config.model_source, config.method, config.port
+        args.drafter, args.served_model_name = config.drafter_source, config.served_name
         args.num_speculative_tokens, args.draft_tree = config.num_speculative_tokens, config.draft_tree
         args.prompt_lookup = config.prompt_lookup
+        args.num_speculative_tokens_per_batch_size = config.num_speculative_tokens_per_batch_size
+    elif args.num_speculative_tokens_per_batch_size is not None:
+        args.num_speculative_tokens_per_batch_size = checked_schedule(args)
     run_embedded_server(args)
+
+
+def checked_schedule(args) -> list:
+    """--num-speculative-tokens-per-batch-size, parsed and checked as a runtime configuration's schedule."""
+    from .config import parse_schedule, schedule_problems
+
+    flag = "--num-speculative-tokens-per-batch-size"
+    try:
+        schedule = parse_schedule(args.num_speculative_tokens_per_batch_size)
+    except ValueError as exc:
+        raise UsageError(f"{flag}: {exc}") from None
+    problems = schedule_problems(schedule, args.method, args.num_speculative_tokens, flag)
+    if problems:
+        raise UsageError("; ".join(problems))
+    return schedule
 
 
 def run_embedded_server(args) -> None:
@@ -280,8 +310,9 @@ def run_embedded_server(args) -> None:
         model = load_model(args.model)
         options = ProposerOptions(args.drafter, args.num_speculative_tokens, draft_tree=args.draft_tree,
                                   prompt_lookup=args.prompt_lookup)
-        return model, build_engine(model, method, options,
-                                   args.max_num_batched_tokens, adaptive=args.speculation == "adaptive")
+        return model, build_engine(model, method, options, args.max_num_batched_tokens,
+                                   adaptive=args.speculation == "adaptive",
+                                   schedule=args.num_speculative_tokens_per_batch_size)
 
     served_name = args.served_model_name or Path(str(args.model)).name
     server = Server(load, served_name, method, args.drafter, args.max_concurrency, args.max_num_seqs)
@@ -290,7 +321,6 @@ def run_embedded_server(args) -> None:
 
 
 def cmd_launch(args) -> None:
-    import os
     import shlex
 
     from .config import read_config
@@ -511,6 +541,9 @@ def build_parser() -> Parser:
     serve.add_argument("--speculation", choices=("adaptive", "fixed"), default="adaptive",
                        help="adaptive: drafts per step chosen from measured tokens/s at the current batch size, "
                             "up to --num-speculative-tokens; fixed: always that many (default adaptive)")
+    serve.add_argument("--num-speculative-tokens-per-batch-size", metavar="SCHEDULE",
+                       help="drafts per step by the number of requests decoding together, e.g. 1-4:3,5-16:2,17-:0 "
+                            "(MIN-MAX:TOKENS ranges from 1, the last may be open); instead of --speculation")
     serve.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_TOKEN_BUDGET,
                        help=f"tokens per engine step: verify blocks first, then prompt chunks (default {DEFAULT_TOKEN_BUDGET})")
     serve.add_argument("--config", help="a runtime configuration file (what the operator renders)")
@@ -630,9 +663,14 @@ def build_parser() -> Parser:
     sweeper.add_argument("--num-layers", default="1,2,3", help="varied at the base's block size 8")
     sweeper.set_defaults(run=cmd_sweep_drafter)
 
-    export = commands.add_parser("export-drafter", help="convert a z-lab layout DFlash drafter to the speculators layout")
-    export.add_argument("--drafter", required=True, help="z-lab layout checkpoint folder")
+    export = commands.add_parser("export-drafter", help="write a DFlash or EAGLE-3 drafter in the speculators layout "
+                                                        "(vLLM's)")
+    export.add_argument("--drafter", required=True, help="drafter folder (training's layout, z-lab's, or speculators)")
     export.add_argument("--out", required=True, help="output folder")
+    export.add_argument("--drafts", type=int, help="drafts a step vLLM runs by default (default: a DFlash block - 1, "
+                                                   "EAGLE-3's 4)")
+    export.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
+                        help="the weights' precision (default float32)")
     export.add_argument("--verifier", default="HuggingFaceTB/SmolLM2-135M-Instruct", help="target model id for vLLM")
     export.add_argument("--model", default=DEFAULT_MODEL, help="the target (NAME|PATH): a reduced draft vocabulary needs its LM head")
     export.add_argument("--verifier-architectures", nargs="+", default=["LlamaForCausalLM"])

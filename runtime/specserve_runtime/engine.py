@@ -20,8 +20,8 @@ from typing import Iterator
 
 import torch
 
-from .adaptive import DraftLengthChooser
-from .config import DEFAULT_TOKEN_BUDGET, MAX_PROMPT_LOOKUP
+from .adaptive import DraftLengthChooser, ScheduledDraftLength
+from .config import DEFAULT_TOKEN_BUDGET, MAX_PROMPT_LOOKUP, BatchSizeRange
 from .drafters import Proposer, propose_all
 from .kv_cache import KVCache
 from .model import Segment, Transformer
@@ -129,16 +129,18 @@ class Sequence:
 
 class Engine:
     def __init__(self, target: Transformer, tokenizer, proposer: Proposer, eos_ids: set[int],
-                 token_budget: int = DEFAULT_TOKEN_BUDGET, adaptive: bool = False):
-        """`adaptive`: choose the drafts per sequence each step from measurements (adaptive.py);
-        otherwise every step drafts what the proposer is set to."""
+                 token_budget: int = DEFAULT_TOKEN_BUDGET, adaptive: bool = False,
+                 schedule: list[BatchSizeRange] | None = None):
+        """The drafts per sequence each step: by the batch size from `schedule` if one is given, else chosen from
+        measurements if `adaptive` (adaptive.py), else what the proposer is set to."""
         if token_budget < 1:
             raise ValueError(f"the token budget per step must be >= 1, got {token_budget}")
         self.target, self.tokenizer, self.proposer, self.eos_ids = target, tokenizer, proposer, eos_ids
         self.token_budget = token_budget
         # Plain decoding (no drafts) has nothing to adapt.
         adaptive = adaptive and proposer.num_speculative_tokens > 0
-        self.chooser = DraftLengthChooser(proposer.num_speculative_tokens) if adaptive else None
+        self.chooser = (ScheduledDraftLength(schedule, proposer.num_speculative_tokens) if schedule else
+                        DraftLengthChooser(proposer.num_speculative_tokens) if adaptive else None)
         self.draft_length: int | None = None  # the adaptive choice of the last step (None: no sequence decoded in it)
         self.batch_drafts = True  # False: one propose() per sequence (bench --kernels times both)
 

@@ -4,7 +4,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .config import DEFAULT_TOKEN_BUDGET
+from .config import DEFAULT_TOKEN_BUDGET, BatchSizeRange
 from .drafters import ProposerOptions, build_proposer
 from .drafters.dflash import MASK_TOKEN
 from .engine import Engine
@@ -63,8 +63,9 @@ def _eos_ids(folder: Path, tokenizer) -> set[int]:
 
 
 def build_engine(model: LoadedModel, method: str, options: ProposerOptions = ProposerOptions(),
-                 token_budget: int = DEFAULT_TOKEN_BUDGET, adaptive: bool = False) -> Engine:
+                 token_budget: int = DEFAULT_TOKEN_BUDGET, adaptive: bool = False,
+                 schedule: list[BatchSizeRange] | None = None) -> Engine:
     if method == "dflash" and options.drafter == "random" and options.mask_token_id is None:
         options = replace(options, mask_token_id=model.mask_token_id())
     proposer = build_proposer(method, model.target, options)
-    return Engine(model.target, model.tokenizer, proposer, model.eos_ids, token_budget, adaptive)
+    return Engine(model.target, model.tokenizer, proposer, model.eos_ids, token_budget, adaptive, schedule)

@@ -20,6 +20,9 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                            240.0, 480.0, 960.0, 1920.0, 7680.0]
 LABELS = ["model_name", "engine"]
+# vLLM's finished_reason values, each a series from the start: "repetition" is vLLM's stop on a repeating output,
+# which the embedded engine never gives (the operator counts only abort and error as failures: measure.py).
+FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 
 class Metrics:
@@ -67,7 +70,7 @@ class Metrics:
         for metric in (self.drafts, self.draft_tokens, self.accepted, self.generation_tokens, self.prompt_tokens,
                        self.ttft, self.itl, self.e2e, self.queue_time):
             self.of(metric)
-        for reason in ("stop", "length", "abort", "error"):
+        for reason in FINISHED_REASONS:
             self.of(self.success, finished_reason=reason)
 
     def of(self, metric, **extra):

@@ -124,6 +124,26 @@ def _evaluate_cel(spec: dict) -> list[str]:
         (lambda s: s.__setitem__("speculator", {"method": "ngram", "promptLookup": 0}), "promptLookup is for methods dflash and eagle3"),
         (lambda s: s["speculator"].__setitem__("promptLookup", 4), api.LOOKUP_NEEDS_EMBEDDED),
         (lambda s: s["rollout"]["candidate"]["speculator"].__setitem__("promptLookup", 4), api.LOOKUP_NEEDS_EMBEDDED),
+        (lambda s: s.__setitem__("speculator", {"method": "none", "numSpeculativeTokensPerBatchSize": [
+            {"minBatchSize": 1, "numSpeculativeTokens": 0}]}), "numSpeculativeTokensPerBatchSize: method none drafts nothing"),
+        *[(lambda s, ranges=ranges: s["speculator"].__setitem__("numSpeculativeTokensPerBatchSize", ranges), api.SCHEDULE_COVERS)
+          for ranges in [
+              [{"minBatchSize": 2, "numSpeculativeTokens": 3}],  # batch size 1 has no count
+              [{"minBatchSize": 1, "maxBatchSize": 4, "numSpeculativeTokens": 3},  # 5 is missing
+               {"minBatchSize": 6, "numSpeculativeTokens": 1}],
+              [{"minBatchSize": 1, "maxBatchSize": 4, "numSpeculativeTokens": 3},  # 3-4 twice
+               {"minBatchSize": 3, "numSpeculativeTokens": 1}],
+              [{"minBatchSize": 5, "numSpeculativeTokens": 1},  # out of order
+               {"minBatchSize": 1, "maxBatchSize": 4, "numSpeculativeTokens": 3}],
+              [{"minBatchSize": 1, "numSpeculativeTokens": 3},  # open before the last
+               {"minBatchSize": 2, "maxBatchSize": 8, "numSpeculativeTokens": 1}],
+              [{"minBatchSize": 1, "maxBatchSize": 4, "numSpeculativeTokens": 3},
+               {"minBatchSize": 5, "maxBatchSize": 3, "numSpeculativeTokens": 1}],  # a range ending before it starts
+          ]],
+        (lambda s: s["speculator"].__setitem__("numSpeculativeTokensPerBatchSize", [
+            {"minBatchSize": 1, "maxBatchSize": 4, "numSpeculativeTokens": 8},  # the stable drafts 7 at the most
+            {"minBatchSize": 5, "numSpeculativeTokens": 1}]), "numSpeculativeTokensPerBatchSize: no range drafts more than "
+                                                             "numSpeculativeTokens"),
     ],
 )
 def test_cel_rules_and_model_validators_reject_the_same_specs(example_documents, mutate, message):
@@ -143,6 +163,17 @@ def test_a_draft_tree_and_a_lookup_branch_are_accepted_where_the_engine_is_embed
     assert _evaluate_cel(serving["spec"]) == [] and parse_serving(serving)[1] == []
     serving["spec"]["speculator"] = candidate["speculator"]
     serving["spec"]["runtime"]["engine"] = "embedded"
+    assert _evaluate_cel(serving["spec"]) == [] and parse_serving(serving)[1] == []
+
+
+def test_a_batch_size_schedule_that_covers_every_batch_size_once_is_accepted(example_documents):
+    serving = copy.deepcopy(next(d for d in example_documents if d["kind"] == "SpeculativeServing"))
+    serving["spec"]["speculator"]["numSpeculativeTokensPerBatchSize"] = [
+        {"minBatchSize": 1, "maxBatchSize": 4, "numSpeculativeTokens": 7},
+        {"minBatchSize": 5, "maxBatchSize": 5, "numSpeculativeTokens": 3},
+        {"minBatchSize": 6, "numSpeculativeTokens": 0}]
+    serving["spec"]["rollout"]["candidate"]["speculator"]["numSpeculativeTokensPerBatchSize"] = [
+        {"minBatchSize": 1, "maxBatchSize": 64, "numSpeculativeTokens": 15}]
     assert _evaluate_cel(serving["spec"]) == [] and parse_serving(serving)[1] == []
 
 

@@ -13,8 +13,8 @@ import yaml
 from specserve_operator import api
 from specserve_operator.render import RUNTIME_UID, render_all
 from specserve_operator.validate import parse_profile, parse_serving
-from specserve_runtime.config import BUNDLED_DRAFTERS, BUNDLED_DRAFTERS_DIR
-from specserve_runtime.drafters import BUNDLED, DEFAULT_DRAFTERS
+from specserve_runtime.config import BUNDLED_DRAFTERS, BUNDLED_DRAFTERS_DIR, local_reference
+from specserve_runtime.drafters import DEFAULT_DRAFTERS
 
 HADOLINT = Path(sys.executable).parent / "hadolint"
 WEIGHTS = "runtime/specserve_runtime/drafters/weights/"
@@ -98,11 +98,16 @@ def test_image_names_and_tags_agree_with_the_operator_and_the_chart():
     assert not any("torch" in requirement for requirement in extras["operator"])
 
 
-def test_the_runtime_images_embed_the_drafters_where_the_rendered_config_points(example_documents):
-    assert sorted(path.name for path in BUNDLED.iterdir() if path.is_dir()) == sorted(BUNDLED_DRAFTERS)
+def test_the_runtime_finds_the_bundled_drafters_where_the_rendered_config_points(example_documents):
+    """The operator renders `draftModel: bundled://NAME` as written; the runtime resolves it to the wheel's package
+    data, which both runtime images install (no copy of their own to keep in step)."""
+    assert sorted(path.name for path in BUNDLED_DRAFTERS_DIR.iterdir() if path.is_dir()) == sorted(BUNDLED_DRAFTERS)
     assert {path.name for path in DEFAULT_DRAFTERS.values()} <= set(BUNDLED_DRAFTERS)
+    package_data = tomllib.loads(Path("pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert "drafters/weights/*/*" in package_data["specserve_runtime"]
     for target in ("runtime", "runtime-cpu"):
-        assert f"{WEIGHTS} {BUNDLED_DRAFTERS_DIR}/" in instructions(stages()[target], "COPY"), target
+        assert any("/wheels/specserve-" in line for line in instructions(stages()[target], "RUN")), target
+        assert not any(WEIGHTS in line for line in instructions(stages()[target], "COPY")), target
 
     by_kind = {d["kind"]: d for d in example_documents}
     for name in BUNDLED_DRAFTERS:
@@ -117,8 +122,9 @@ def test_the_runtime_images_embed_the_drafters_where_the_rendered_config_points(
             objects = render_all(serving, profile)
             config = yaml.safe_load(next(o for o in objects if o["kind"] == "ConfigMap")["data"]["runtime.yaml"])
             container = next(o for o in objects if o["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
-            assert config["drafter"] == f"{BUNDLED_DRAFTERS_DIR}/{name}"
-            assert Path(WEIGHTS, name, "config.json").is_file()
+            assert config["drafter"] == f"bundled://{name}"
+            assert Path(local_reference(config["drafter"]), "config.json").is_file()
+            assert Path(local_reference(config["drafter"])).resolve() == Path(WEIGHTS, name).resolve()
             target = {"vllm": "runtime", "embedded": "runtime-cpu"}[engine]
             assert container["image"] == api.RUNTIME_IMAGES[engine]
             # The image's own command is the one the operator renders: the image runs the same way alone.

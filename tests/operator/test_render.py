@@ -109,7 +109,7 @@ def test_deployment_schedules_on_the_profiles_gpus_securely(rendered):
     assert labels["kueue.x-k8s.io/queue-name"] == "team-a-gpus"
     assert labels["kueue.x-k8s.io/priority-class"] == "serving-high"
     assert labels["specserve.io/tenant"] == "team-a" and labels["specserve.io/serving"] == "qwen3-8b"
-    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"  # vLLM's: it serves no /ready
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     assert spec["securityContext"]["runAsNonRoot"] is True and spec["automountServiceAccountToken"] is False
     assert container["securityContext"] == {
@@ -120,6 +120,58 @@ def test_deployment_schedules_on_the_profiles_gpus_securely(rendered):
     assert {"name": "config", "configMap": {"name": deployment["metadata"]["name"]}} in spec["volumes"]
     assert container["args"] == ["launch", "--config", "/etc/specserve/runtime.yaml"]
     assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+
+
+def test_every_cache_an_engine_writes_is_on_a_writable_volume_under_the_read_only_root(rendered):
+    pod = of_kind(rendered, "Deployment")[0]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    writable = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")}
+    emptied = {v["name"] for v in pod["volumes"] if "emptyDir" in v}
+    assert {m["name"] for m in container["volumeMounts"] if m["mountPath"] in writable} <= emptied
+    # vLLM writes under HOME (~/.cache, ~/.config), XDG_CACHE_HOME, VLLM_CACHE_ROOT and VLLM_CONFIG_ROOT unguarded
+    for name in ("HOME", "XDG_CACHE_HOME", "HF_HOME", "VLLM_CACHE_ROOT", "VLLM_CONFIG_ROOT", "SPECSERVE_CACHE"):
+        assert any(env[name] == path or env[name].startswith(path + "/") for path in writable), name
+    assert env["VLLM_NO_USAGE_STATS"] == "1"
+
+
+def test_the_readiness_probe_asks_each_engine_where_it_says_it_is_ready(example_documents):
+    documents = copy.deepcopy(example_documents)
+    serving_doc = next(d for d in documents if d["kind"] == "SpeculativeServing")
+    serving_doc["spec"]["runtime"]["engine"] = "embedded"
+    serving_doc["spec"]["runtime"]["args"] = []
+    serving_doc["spec"].pop("rollout")
+    serving, profile, _ = parsed(documents)
+    (deployment,) = of_kind(render_all(serving, profile), "Deployment")
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/ready"
+
+
+def test_pvc_models_and_drafters_are_mounted_read_only_where_the_runtime_reads_them(example_documents):
+    from specserve_runtime.config import RuntimeConfig
+
+    documents = copy.deepcopy(example_documents)
+    serving_doc = next(d for d in documents if d["kind"] == "SpeculativeServing")
+    serving_doc["spec"]["model"]["uri"] = "pvc://models/qwen3/8b"
+    serving_doc["spec"]["speculator"]["draftModel"] = "pvc://drafters/qwen3-8b-eagle3"
+    serving_doc["spec"]["rollout"]["candidate"]["speculator"]["draftModel"] = "pvc://models/qwen3/dflash-b16"
+    serving, profile, _ = parsed(documents)
+    objects = render_all(serving, profile, Settings(), Traffic("Canary", 10))
+    for deployment in of_kind(objects, "Deployment"):
+        pod = deployment["spec"]["template"]["spec"]
+        claims = {v["name"]: v["persistentVolumeClaim"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+        mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"] if m["name"] in claims}
+        assert all(claim["readOnly"] and mounts[name]["readOnly"] for name, claim in claims.items())
+        folders = {claims[name]["claimName"]: mounts[name]["mountPath"] for name in claims}
+        config_map = next(o for o in of_kind(objects, "ConfigMap") if o["metadata"]["name"] == deployment["metadata"]["name"])
+        config = RuntimeConfig.model_validate(yaml.safe_load(config_map["data"]["runtime.yaml"]))
+        assert config.model_source == folders["models"] + "/qwen3/8b"
+        drafter_claim = config.drafter.removeprefix("pvc://").split("/")[0]
+        assert sorted(folders) == sorted({"models", drafter_claim})
+        assert config.drafter_source.startswith(folders[drafter_claim] + "/")
+    # A bucket is not fetched: refused at admission, naming the field.
+    serving_doc["spec"]["model"]["uri"] = "s3://bucket/qwen3-8b"
+    _, problems = parse_serving(serving_doc)
+    assert any(problem.startswith("spec.model.uri: String should match pattern") for problem in problems), problems
 
 
 def test_every_child_is_owned_by_the_serving(rendered):
@@ -207,9 +259,8 @@ def test_an_operator_that_knows_newer_speculator_fields_gives_a_revision_without
     assert (revision_hash(spec.model, spec.speculator, spec.runtime), candidate_hash(spec)) == ("613bee42", "108ba90e")
 
 
-def test_a_bundled_drafter_renders_to_the_folder_inside_the_runtime_image_and_the_image_follows_the_engine(example_documents):
+def test_a_bundled_drafter_renders_as_written_and_the_image_follows_the_engine(example_documents):
     from specserve_operator import api
-    from specserve_runtime.config import BUNDLED_DRAFTERS_DIR
 
     documents = copy.deepcopy(example_documents)
     serving_doc = next(d for d in documents if d["kind"] == "SpeculativeServing")
@@ -220,7 +271,7 @@ def test_a_bundled_drafter_renders_to_the_folder_inside_the_runtime_image_and_th
     objects = render_all(serving, profile)
     (config_map,) = of_kind(objects, "ConfigMap")
     config = yaml.safe_load(config_map["data"]["runtime.yaml"])
-    assert config["drafter"] == f"{BUNDLED_DRAFTERS_DIR}/smollm2-135m-instruct-dflash"
+    assert config["drafter"] == "bundled://smollm2-135m-instruct-dflash"  # the runtime resolves it (test_images)
     assert "numSpeculativeTokens" not in config and "draftTree" not in config  # the drafter's own operating point
     (deployment,) = of_kind(objects, "Deployment")
     assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == api.RUNTIME_IMAGES["embedded"]
@@ -342,6 +393,35 @@ def test_profile_rules(example_documents):
         "spec.rollout.candidate.speculator.method: method dflash is not allowed by ServingProfile 'team-a-h100' (allowed: none, eagle3)",
         "spec.replicas.max: 6 exceeds ServingProfile 'team-a-h100' limits.maxReplicas (4)",
     ]
+
+
+def test_a_profile_limits_the_drafts_a_step_and_a_tenant_cannot_raise_it(example_documents):
+    from specserve_operator import api
+
+    serving, profile, labels = parsed(example_documents)
+    limits = profile.spec.limits.model_copy(update={"max_num_speculative_tokens": 7})
+    capped = profile.__class__(profile.name, profile.spec.model_copy(update={"limits": limits}))
+    # The stable drafts 7, the candidate 15: the candidate is over the limit.
+    assert check_against_profile(serving, capped, labels) == [
+        "spec.rollout.candidate.speculator.numSpeculativeTokens: 15 exceeds ServingProfile 'team-a-h100' "
+        "limits.maxNumSpeculativeTokens (7)"]
+    schedule = [api.BatchSizeRange(min_batch_size=1, max_batch_size=2, num_speculative_tokens=9),
+                api.BatchSizeRange(min_batch_size=3, num_speculative_tokens=2)]
+    speculator = api.Speculator(method="ngram", num_speculative_tokens_per_batch_size=schedule)
+    spec = serving.spec.model_copy(update={"speculator": speculator, "rollout": None})
+    assert check_against_profile(serving.__class__(serving.name, serving.namespace, None, spec), capped, labels) == [
+        "spec.speculator.numSpeculativeTokens: required, ServingProfile 'team-a-h100' limits drafts a step to 7 "
+        "(limits.maxNumSpeculativeTokens)",
+        "spec.speculator.numSpeculativeTokensPerBatchSize[0].numSpeculativeTokens: 9 exceeds ServingProfile "
+        "'team-a-h100' limits.maxNumSpeculativeTokens (7)"]
+
+
+def test_a_bundled_drafter_of_another_method_is_refused_before_any_pod_starts(example_documents):
+    serving = copy.deepcopy(next(d for d in example_documents if d["kind"] == "SpeculativeServing"))
+    serving["spec"]["speculator"] = {"method": "eagle3", "draftModel": "bundled://smollm2-135m-instruct-dflash"}
+    _, problems = parse_serving(serving)
+    assert len(problems) == 1 and problems[0].startswith("spec.speculator.draftModel: ") and \
+        problems[0].endswith("config.json: speculators_model_type is 'dflash', the method 'eagle3'"), problems
 
 
 def test_render_file_reports_every_problem_with_its_path(tmp_path, example_documents):

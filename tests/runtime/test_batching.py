@@ -198,3 +198,30 @@ def test_a_model_drafter_drafts_for_the_whole_batch_in_one_forward_per_pass(tiny
     assert len(calls) == len(rows)
     assert [n for n, expected in zip(calls, rows) if expected is not None] == [r for r in rows if r is not None]
     assert calls[0] >= 4  # the first pass carries every sequence's new positions
+
+
+def test_a_batch_size_schedule_drafts_what_it_gives_the_batch_and_stays_lossless(tiny_llama):
+    """numSpeculativeTokensPerBatchSize on the embedded engine: alone a sequence drafts 3, two together draft none,
+    three or more 1 each (of the 5 its proposer offers); what each sequence says is what it says alone."""
+    from specserve_runtime.config import parse_schedule
+
+    from .test_engine import OracleProposer
+
+    prompt = [5, 17, 42, 8, 63, 21, 9]
+    alone = build(tiny_llama, "ar").generate(Request(prompt, 30)).token_ids
+    proposer = OracleProposer(alone, len(prompt), k=5, corrupt_every=0)
+    proposer.num_speculative_tokens = 5
+    engine = Engine(tiny_llama, ByteTokenizer(), proposer, {2}, schedule=parse_schedule("1-1:3,2-2:0,3-:1"))
+    sequences = [engine.add(Request(prompt, 30)) for _ in range(3)]
+    for sequence in sequences:  # each prompt prefilled first: then every step of the batch decodes all of it
+        engine.step([sequence])
+    drafted = {}
+    for size in (1, 2, 3):
+        for _ in range(3):
+            steps = engine.step(sequences[:size])
+            drafted.setdefault(size, set()).update(step.num_draft_tokens for step in steps if step is not None)
+    assert drafted == {1: {3}, 2: {0}, 3: {1}}
+    for sequence in sequences:
+        while sequence.finish_reason is None:
+            engine.step([sequence])
+        assert sequence.stopper.token_ids == alone

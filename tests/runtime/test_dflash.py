@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import save_file
 
 from specserve_runtime import blockquant
+from specserve_runtime.drafters.checkpoint import export_speculators
 from specserve_runtime.drafters import DrafterError, ProposerOptions, build_proposer
 from specserve_runtime.drafters.dflash import (
     DFlashConfig,
-    export_speculators,
     load_dflash,
     random_drafter,
     save_dflash,

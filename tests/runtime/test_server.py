@@ -559,8 +559,8 @@ def ar_text(model, prompt: str, max_tokens: int) -> str:
 def test_vllm_command_lines(method, drafter, tokens, expected):
     config = RuntimeConfig(model="Qwen/Qwen3-8B", served_name="qwen3-8b", method=method, drafter=drafter,
                            num_speculative_tokens=tokens, engine="vllm", engine_args=["--max-num-batched-tokens", "32768"])
-    command = vllm_command(config)
-    assert command[:4] == ["vllm", "serve", "Qwen/Qwen3-8B", "--served-model-name"]
+    command = vllm_command(config, ["vllm", "serve"])
+    assert command[:5] == ["vllm", "serve", "--model", "Qwen/Qwen3-8B", "--served-model-name"]
     assert command[-2:] == ["--max-num-batched-tokens", "32768"]
     if expected is None:
         assert "--speculative-config" not in command
@@ -568,12 +568,18 @@ def test_vllm_command_lines(method, drafter, tokens, expected):
         assert json.loads(command[command.index("--speculative-config") + 1]) == expected
 
 
-def test_vllm_drafts_a_local_dflash_drafters_whole_block_by_default(tmp_path):
-    """The runtime images' bundled DFlash drafter has blocks of 8, not z-lab's 16: 7 drafts a step."""
-    bundled = RuntimeConfig(model="m", served_name="m", method="dflash", drafter=str(DEFAULT_DRAFTERS["dflash"]),
+def test_vllm_drafts_what_a_local_drafter_folder_proposes_by_default(tmp_path):
+    """The bundled DFlash drafter has blocks of 8, not z-lab's 16: 7 drafts a step; the bundled EAGLE-3 drafter
+    proposes 3. A z-lab DFlash folder says its block size."""
+    bundled = RuntimeConfig(model="m", served_name="m", method="dflash", drafter="bundled://smollm2-135m-instruct-dflash",
                             engine="vllm")
     assert speculative_config(bundled)["num_speculative_tokens"] == 7
+    assert speculative_config(bundled)["model"] == str(DEFAULT_DRAFTERS["dflash"])
     assert speculative_config(bundled.model_copy(update={"num_speculative_tokens": 3}))["num_speculative_tokens"] == 3
+    eagle = bundled.model_copy(update={"method": "eagle3", "drafter": "bundled://smollm2-135m-instruct-eagle3"})
+    assert speculative_config(eagle)["num_speculative_tokens"] == 3
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"], "block_size": 16}))
+    assert speculative_config(bundled.model_copy(update={"drafter": str(tmp_path)}))["num_speculative_tokens"] == 15
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match=f"{tmp_path}/config.json: no DFlash block_size"):
         speculative_config(bundled.model_copy(update={"drafter": str(tmp_path)}))

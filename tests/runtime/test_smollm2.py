@@ -7,7 +7,6 @@ import sys
 
 import pytest
 
-from specserve_runtime.config import BUNDLED_DRAFTERS_DIR
 from specserve_runtime.drafters import DEFAULT_DRAFTERS, ProposerOptions, build_proposer
 from specserve_runtime.engine import Request
 from specserve_runtime.loader import build_engine
@@ -71,11 +70,11 @@ def test_bundled_drafters_verify_their_measured_number_of_drafts(engines):
 
 
 def test_a_bundled_drafter_given_by_path_runs_at_its_operating_point_too(smollm2, tmp_path):
-    """The operator renders `draftModel: bundled://NAME` as the runtime image's copy of the folder
-    (BUNDLED_DRAFTERS_DIR/NAME), a --drafter path: the operating point travels in its config.json."""
+    """A copy of a bundled drafter's folder, given as a --drafter path (as a pvc:// mount is): the operating point
+    travels in its config.json."""
     for method, point in [("dflash", (3, True, 4)), ("eagle3", (3, True, 4))]:
-        image_copy = shutil.copytree(DEFAULT_DRAFTERS[method], tmp_path / BUNDLED_DRAFTERS_DIR.lstrip("/") / method)
-        proposer = build_proposer(method, smollm2.target, ProposerOptions(str(image_copy)))
+        copy = shutil.copytree(DEFAULT_DRAFTERS[method], tmp_path / method)
+        proposer = build_proposer(method, smollm2.target, ProposerOptions(str(copy)))
         assert (proposer.num_speculative_tokens, proposer.tree, proposer.prompt_lookup) == point
 
 def test_short_answer_stops_at_eos_inside_a_block(smollm2, engines, reference):

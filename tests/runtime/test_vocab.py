@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from specserve_runtime.drafters import DrafterError, ProposerOptions, build_proposer
-from specserve_runtime.drafters.dflash import DFlashConfig, export_speculators, load_dflash, random_drafter, save_dflash
+from specserve_runtime.drafters.checkpoint import export_speculators, read_config
+from specserve_runtime.drafters.dflash import DFlashConfig, load_dflash, random_drafter, save_dflash
 from specserve_runtime.drafters.eagle3 import Eagle3Config, Eagle3Drafter, load_eagle3, save_eagle3
 from specserve_runtime.engine import Request
+from specserve_runtime.launch import check_vllm_drafter
 from specserve_runtime.layers import PackedLinear
 from specserve_runtime.drafters.vocab import IGNORE, DraftHead, draft_token_ids, frequency_ranked, set_draft_vocab
 
@@ -104,3 +106,52 @@ def test_speculators_loads_a_reduced_vocab_export(tmp_path, tiny_llama_dir, tiny
     ours = DraftHead(tiny_llama.lm_head.weight, draft_token_ids(drafter)).logits(hidden)
     with torch.no_grad():
         torch.testing.assert_close(ours, speculators_draft_logits(theirs, taps, block, context_len=9), atol=1e-4, rtol=1e-4)
+
+
+def reduced_eagle3(target, seed=0):
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(Eagle3Config.for_target(target.config, draft_vocab_size=DRAFT_VOCAB.numel())).eval()
+    set_draft_vocab(drafter, DRAFT_VOCAB)
+    return drafter
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_the_speculators_layout_round_trips_both_drafters_with_their_own_lm_head(tmp_path, tiny_llama_dir, tiny_llama,
+                                                                                  method):
+    """What the bundled drafters ship in: vLLM can load it (check_vllm_drafter), and the embedded engine loads it
+    back to the same drafter, scoring with the head rows it carries, so it drafts exactly what the original does."""
+    drafter = reduced_eagle3(tiny_llama) if method == "eagle3" else reduced_dflash(tiny_llama)
+    (save_eagle3 if method == "eagle3" else save_dflash)(drafter, tmp_path / "own")
+    source = tmp_path / "own" / "config.json"
+    source.write_text(json.dumps({**json.loads(source.read_text()), "specserve_operating_point": {
+        "num_speculative_tokens": 3, "draft_tree": True}}))
+    export_speculators((load_eagle3 if method == "eagle3" else load_dflash)(tmp_path / "own"), tmp_path / "speculators",
+                       str(tiny_llama_dir), ["LlamaForCausalLM"], tiny_llama, str(tmp_path / "own"))
+    config = check_vllm_drafter(tmp_path / "speculators", method)
+    assert config["speculators_model_type"] == method and config["draft_vocab_size"] == 10
+    assert config["specserve_operating_point"] == {"num_speculative_tokens": 3, "draft_tree": True}
+    aux = config["eagle_aux_hidden_state_layer_ids" if method == "eagle3" else "aux_hidden_state_layer_ids"]
+    assert aux == [i + 1 for i in drafter.config.target_layer_ids]  # vLLM taps layer inputs, the drafters outputs
+
+    loaded = (load_eagle3 if method == "eagle3" else load_dflash)(tmp_path / "speculators")
+    assert loaded.config.target_layer_ids == drafter.config.target_layer_ids
+    assert loaded.config.draft_vocab_size == drafter.config.draft_vocab_size
+    torch.testing.assert_close(loaded.lm_head.weight, tiny_llama.lm_head.weight[DRAFT_VOCAB])
+    original = {name: tensor for name, tensor in loaded.state_dict().items() if name != "lm_head.weight"}
+    assert original.keys() == drafter.state_dict().keys()
+    for name, tensor in drafter.state_dict().items():
+        torch.testing.assert_close(original[name], tensor)
+
+    drafts = []
+    for folder in (tmp_path / "own", tmp_path / "speculators"):
+        proposer = build_proposer(method, tiny_llama, ProposerOptions(str(folder), 4))
+        proposer.begin(128)
+        proposer.extend_context(tiny_llama(torch.tensor(PROMPT), tiny_llama.new_cache(32),
+                                           tap_layers=proposer.tap_layers).taps)
+        drafts.append(proposer.propose(PROMPT + [1], 4))
+    assert drafts[0] == drafts[1] and len(drafts[0]) == 4
+    # Training's own layouts: vLLM cannot load EAGLE-3's, and would score DFlash's drafts with the target's head.
+    refusal = "no speculators_model_type" if method == "eagle3" else "model.safetensors: no lm_head.weight for the 10-token"
+    with pytest.raises(ValueError, match=refusal):
+        check_vllm_drafter(tmp_path / "own", method)
+    assert read_config(tmp_path / "own").get("speculators_model_type") is None

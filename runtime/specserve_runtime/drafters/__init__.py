@@ -5,13 +5,12 @@ verifies every guess, so no proposer can change the output, only the speed.
 """
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Protocol
 
 import torch
 
 from .. import blockquant
-from ..config import MAX_PROMPT_LOOKUP
+from ..config import BUNDLED_DRAFTERS_DIR, MAX_PROMPT_LOOKUP
 from ..errors import DrafterError
 from ..model import ModelConfig, Transformer
 from ..verify import DraftTree
@@ -86,7 +85,9 @@ class ModelProposer:
         self.num_speculative_tokens = num_speculative_tokens
         self.prompt_lookup = prompt_lookup  # tokens of the prompt-lookup branch at the most (0: none)
         self.tap_layers = drafter.config.target_layer_ids
-        self.head = DraftHead.for_inference(target.lm_head, draft_token_ids(drafter), int8_drafting())
+        # The drafter's own rows of the LM head where its checkpoint ships them, else the target's head.
+        lm_head = drafter.lm_head if hasattr(drafter, "lm_head") else target.lm_head
+        self.head = DraftHead.for_inference(lm_head, draft_token_ids(drafter), int8_drafting())
         self.pending: list[torch.Tensor] = []
         self.lookup_ngrams = (LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM)
         self.lookup: PromptLookup | None = None  # per sequence, made by begin()
@@ -134,9 +135,9 @@ class ProposerOptions:
     prompt_lookup: int | None = None
 
 
-# Drafters trained by the project for the default target (see each folder's CARD.md).
-BUNDLED = Path(__file__).parent / "weights"
-DEFAULT_DRAFTERS = {"dflash": BUNDLED / "smollm2-135m-instruct-dflash", "eagle3": BUNDLED / "smollm2-135m-instruct-eagle3"}
+# Drafters trained by the project for the default target (see each folder's CARD.md), in the speculators layout.
+DEFAULT_DRAFTERS = {"dflash": BUNDLED_DRAFTERS_DIR / "smollm2-135m-instruct-dflash",
+                    "eagle3": BUNDLED_DRAFTERS_DIR / "smollm2-135m-instruct-eagle3"}
 
 
 @dataclass(frozen=True)
@@ -166,15 +167,19 @@ def check_prompt_lookup(tokens, name: str) -> None:
                            f"not {tokens!r}")
 
 
-def check_layer_ids(layer_ids: tuple[int, ...], num_target_layers: int) -> None:
-    """Taps come out of the target in layer order, so ids must be strictly increasing and in range."""
+def check_layer_ids(layer_ids: tuple[int, ...], num_target_layers: int | None) -> None:
+    """Taps come out of the target in layer order, so ids must be strictly increasing and in range (None: a
+    target of any depth, checked when they meet: check_matches_target)."""
     ids = list(layer_ids)
-    if not ids or ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= num_target_layers:
-        raise DrafterError(f"target_layer_ids {ids} must be strictly increasing within 0..{num_target_layers - 1}")
+    top = num_target_layers - 1 if num_target_layers is not None else float("inf")
+    if not ids or ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] > top:
+        within = f"0..{top}" if num_target_layers is not None else "0 and up"
+        raise DrafterError(f"target_layer_ids {ids} must be strictly increasing within {within}")
 
 
 def check_matches_target(method: str, drafter_config, target: ModelConfig) -> None:
     """A drafter reads the target's features and shares its embedding and LM head: shapes must agree."""
+    check_layer_ids(drafter_config.target_layer_ids, target.num_hidden_layers)
     problems = [
         f"{name} {mine} != target's {theirs}"
         for name, mine, theirs in [
@@ -182,7 +187,7 @@ def check_matches_target(method: str, drafter_config, target: ModelConfig) -> No
             ("vocab_size", drafter_config.vocab_size, target.vocab_size),
             ("num_target_layers", drafter_config.num_target_layers, target.num_hidden_layers),
         ]
-        if mine != theirs
+        if mine != theirs and mine is not None
     ]
     if problems:
         raise DrafterError(f"{method} drafter does not match the target model: " + "; ".join(problems))

@@ -33,7 +33,7 @@ from . import (
     drafter_source,
     int8_drafting,
 )
-from .vocab import DraftHead, add_vocab_buffers, draft_token_ids
+from .vocab import DraftHead, add_vocab_buffers
 
 DEFAULT_BLOCK_SIZE = 8
 # SmolLM2 has no mask token and no free embedding row. <empty_output> (id 16) is a special token
@@ -62,7 +62,7 @@ class DFlashConfig:
     vocab_size: int
     max_position_embeddings: int
     block_size: int
-    num_target_layers: int
+    num_target_layers: int | None  # None: not recorded (the speculators layout); checked against the target
     target_layer_ids: tuple[int, ...]
     mask_token_id: int
     draft_vocab_size: int | None = None  # None: the drafter scores the target's whole vocabulary
@@ -160,24 +160,43 @@ class DFlashConfig:
         values["target_layer_ids"] = tuple(values["target_layer_ids"])
         return cls(**{n: values[n] for n in names})
 
-    def to_speculators(self, verifier_name_or_path: str, verifier_architectures: list[str]) -> dict:
-        """config.json in the `speculators` layout, the format vLLM loads."""
-        return {
-            "architectures": ["DFlashSpeculator"],
-            "speculators_model_type": "dflash",
-            "transformer_layer_config": self._qwen3_fields(),
-            "draft_vocab_size": self.draft_vocab_size or self.vocab_size,
-            "block_size": self.block_size,
+    @classmethod
+    def from_speculators(cls, raw: dict) -> "DFlashConfig":
+        """config.json in the speculators layout (to_speculators). It does not say how many layers the target
+        has: num_target_layers stays None, and the target is checked when the drafter meets it."""
+        layer = checkpoint.speculators_layer(raw, "dflash", ("aux_hidden_state_layer_ids", "mask_token_id"))
+        vocab_size = layer["vocab_size"]
+        draft_vocab_size = raw.get("draft_vocab_size") or vocab_size
+        drafts = raw.get("speculators_config", {}).get("proposal_methods", [{}])[0].get("speculative_tokens")
+        return cls(
+            **{name: layer[name] for name in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                              "num_attention_heads", "num_key_value_heads", "head_dim",
+                                              "rms_norm_eps", "rope_theta", "vocab_size")},
+            max_position_embeddings=layer.get("max_position_embeddings", 40960),
+            block_size=raw.get("block_size") or (drafts or 0) + 1,
+            num_target_layers=None,
             # speculators indexes hidden_states with the embedding output at 0, z-lab the first layer
-            "aux_hidden_state_layer_ids": [i + 1 for i in self.target_layer_ids],
-            "mask_token_id": self.mask_token_id,
-            "speculators_config": {
-                "algorithm": "dflash",
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": self.block_size - 1}],
-                "default_proposal_method": "greedy",
-                "verifier": {"name_or_path": verifier_name_or_path, "architectures": verifier_architectures},
-            },
-        }
+            target_layer_ids=tuple(i - 1 for i in raw["aux_hidden_state_layer_ids"]),
+            mask_token_id=raw["mask_token_id"],
+            draft_vocab_size=draft_vocab_size if draft_vocab_size < vocab_size else None,
+        )
+
+    @classmethod
+    def from_config(cls, raw: dict) -> "DFlashConfig":
+        return cls.from_speculators(raw) if checkpoint.is_speculators(raw) else cls.from_zlab(raw)
+
+    def to_speculators(self, verifier_name_or_path: str, verifier_architectures: list[str],
+                       speculative_tokens: int | None = None) -> dict:
+        """config.json in the `speculators` layout, the format vLLM loads (`speculative_tokens` drafts a step, by
+        default the whole block's)."""
+        return checkpoint.speculators_layout("dflash", self._qwen3_fields(), speculative_tokens or self.block_size - 1,
+                                             verifier_name_or_path,
+                                             verifier_architectures, {
+                                                 "draft_vocab_size": self.draft_vocab_size or self.vocab_size,
+                                                 "block_size": self.block_size,
+                                                 "aux_hidden_state_layer_ids": [i + 1 for i in self.target_layer_ids],
+                                                 "mask_token_id": self.mask_token_id,
+                                             })
 
 
 class DFlashLayer(DecoderLayer):
@@ -372,32 +391,12 @@ def random_drafter(config: DFlashConfig, seed: int) -> DFlashDrafter:
 
 
 def load_dflash(folder: str | Path) -> DFlashDrafter:
-    return checkpoint.load(folder, lambda config: DFlashDrafter(DFlashConfig.from_zlab(config)))
+    """A DFlash drafter in z-lab's layout or the speculators layout."""
+    return checkpoint.load(folder, lambda config: DFlashDrafter(DFlashConfig.from_config(config)))
 
 
 def save_dflash(drafter: DFlashDrafter, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
     return checkpoint.save(drafter, drafter.config.to_zlab(), folder, dtype)
-
-
-def export_speculators(
-    drafter: DFlashDrafter,
-    folder: str | Path,
-    verifier_name_or_path: str,
-    verifier_architectures: list[str],
-    target: Transformer | None = None,
-) -> Path:
-    """Write the drafter in the `speculators` layout (same weight names, vLLM-loadable config).
-
-    speculators rebuilds a full-vocabulary LM head from the verifier, but ships a reduced one
-    inside the checkpoint: exporting a reduced-vocabulary drafter needs the target.
-    """
-    config = drafter.config.to_speculators(verifier_name_or_path, verifier_architectures)
-    token_ids = draft_token_ids(drafter)
-    if token_ids is None:
-        return checkpoint.save(drafter, config, folder)
-    if target is None:
-        raise DrafterError("exporting a reduced-vocabulary drafter needs the target model (its LM head rows)")
-    return checkpoint.save(drafter, config, folder, extra={"lm_head.weight": target.lm_head.weight[token_ids]})
 
 
 def build_dflash(target: Transformer, options: ProposerOptions) -> DFlashProposer:

@@ -50,9 +50,10 @@ class Eagle3Config:
     rms_norm_eps: float
     rope_theta: float
     vocab_size: int
-    num_target_layers: int
+    num_target_layers: int | None  # None: not recorded (the speculators layout); checked against the target
     target_layer_ids: tuple[int, ...]
     draft_vocab_size: int | None = None  # None: the drafter scores the target's whole vocabulary
+    max_position_embeddings: int = 8192  # what vLLM's copy of the layer is told; RoPE itself has no limit here
 
     def __post_init__(self):
         check_layer_ids(self.target_layer_ids, self.num_target_layers)
@@ -78,6 +79,9 @@ class Eagle3Config:
 
     @classmethod
     def from_json(cls, raw: dict) -> "Eagle3Config":
+        """config.json in the speculators layout (to_speculators) or in training's own (to_json)."""
+        if checkpoint.is_speculators(raw):
+            return cls.from_speculators(raw)
         if raw.get("architectures") != ["Eagle3DraftModel"]:
             raise DrafterError(f"not an EAGLE-3 drafter: architectures={raw.get('architectures')}")
         missing = [f.name for f in fields(cls) if f.name not in raw and f.default is MISSING]
@@ -85,6 +89,53 @@ class Eagle3Config:
             raise DrafterError(f"EAGLE-3 config.json lacks {', '.join(missing)}")
         values = {f.name: raw[f.name] for f in fields(cls) if f.name in raw}
         return cls(**{**values, "target_layer_ids": tuple(raw["target_layer_ids"])})
+
+    # The speculators layout's EAGLE-3 variants that this drafter computes: one Llama layer whose residual is the
+    # feature before its norm (vLLM's norm_before_residual false), no norms around fc, the hidden state fed back
+    # before the final norm.
+    VARIANT = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
+
+    @classmethod
+    def from_speculators(cls, raw: dict) -> "Eagle3Config":
+        layer = checkpoint.speculators_layer(raw, "eagle3", ("eagle_aux_hidden_state_layer_ids",))
+        given = {name: raw.get(name, name == "norm_before_residual") for name in cls.VARIANT}  # vLLM's defaults
+        other = {name: value for name, value in given.items() if value != cls.VARIANT[name]}
+        if layer["num_hidden_layers"] != 1 or layer.get("model_type", "llama") != "llama" or other:
+            raise DrafterError(f"an EAGLE-3 drafter of one Llama layer with {cls.VARIANT} is what the embedded engine "
+                               f"runs, not num_hidden_layers={layer['num_hidden_layers']}, "
+                               f"model_type={layer.get('model_type')!r}, {other}")
+        vocab_size, draft_vocab_size = layer["vocab_size"], raw.get("draft_vocab_size") or layer["vocab_size"]
+        return cls(
+            **{name: layer[name] for name in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                              "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
+                                              "vocab_size")},
+            num_target_layers=None,
+            # vLLM taps the input of layer i, this drafter's target_layer_ids the output of layer i (model.py)
+            target_layer_ids=tuple(i - 1 for i in raw["eagle_aux_hidden_state_layer_ids"]),
+            draft_vocab_size=draft_vocab_size if draft_vocab_size < vocab_size else None,
+            max_position_embeddings=layer.get("max_position_embeddings", 8192),
+        )
+
+    def to_speculators(self, verifier_name_or_path: str, verifier_architectures: list[str],
+                       speculative_tokens: int | None = None) -> dict:
+        """config.json in the `speculators` layout, the format vLLM loads (`speculative_tokens` drafts a step,
+        by default DEFAULT_TOKENS)."""
+        layer = {
+            "model_type": "llama",
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+            "num_hidden_layers": 1,
+            **{f.name: getattr(self, f.name) for f in fields(self)
+               if f.name in checkpoint.LAYER_FIELDS + ("head_dim", "rope_theta", "max_position_embeddings")},
+        }
+        return checkpoint.speculators_layout("eagle3", layer, speculative_tokens or DEFAULT_TOKENS, verifier_name_or_path,
+                                             verifier_architectures, {
+                                                 "draft_vocab_size": self.draft_vocab_size or self.vocab_size,
+                                                 "target_hidden_size": self.hidden_size,
+                                                 "eagle_aux_hidden_state_layer_ids": [i + 1 for i in self.target_layer_ids],
+                                                 **self.VARIANT,
+                                             })
 
 
 class Eagle3Layer(nn.Module):

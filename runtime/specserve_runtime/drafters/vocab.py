@@ -61,9 +61,12 @@ class DraftHead:
     """The target's LM head restricted to a draft vocabulary (the rows are copied once)."""
 
     def __init__(self, lm_head_weight: torch.Tensor, token_ids: torch.Tensor | None):
+        """lm_head_weight: the target's head, or a drafter's own, already cut to the draft vocabulary's rows
+        (inference only: training's labels need the target's whole vocabulary, to_draft)."""
         self.token_ids = token_ids
-        self.weight = lm_head_weight if token_ids is None else lm_head_weight.detach()[token_ids].contiguous()
-        if token_ids is not None:
+        cut = token_ids is not None and lm_head_weight.shape[0] != token_ids.numel()
+        self.weight = lm_head_weight.detach()[token_ids].contiguous() if cut else lm_head_weight
+        if cut:
             self.to_draft_table = torch.full((lm_head_weight.shape[0],), IGNORE, dtype=torch.long)
             self.to_draft_table[token_ids] = torch.arange(token_ids.numel())
         self.linear: nn.Module | None = None  # inference only, see for_inference()
