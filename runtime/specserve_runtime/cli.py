@@ -271,7 +271,7 @@ def cmd_serve(args) -> None:
         config = read_config(args.config)
         if config.engine != "embedded":
             raise UsageError(f"{args.config}: engine {config.engine} runs with `specserve launch`, not `serve`")
-        args.model, args.method, args.port = config.model_source, config.method, config.port
+        args.model, args.method, args.host, args.port = config.model_source, config.method, config.host, config.port
         args.drafter, args.served_model_name = config.drafter_source, config.served_name
         args.num_speculative_tokens, args.draft_tree = config.num_speculative_tokens, config.draft_tree
         args.prompt_lookup = config.prompt_lookup

@@ -136,6 +136,8 @@ class RuntimeConfig(BaseModel):
         "the embedded engine's draft length)")
     engine: Literal["vllm", "embedded"] = "embedded"
     engine_args: list[str] = []
+    # Every interface: in a pod, the kubelet's probes and the Service reach the pod's own address.
+    host: str = Field("0.0.0.0", min_length=1)
     port: int = Field(DEFAULT_PORT, ge=1, le=65535)
 
     @field_validator("model_uri", "drafter")

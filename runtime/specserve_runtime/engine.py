@@ -35,6 +35,7 @@ class Request:
     sampling: SamplingParams = SamplingParams()
     seed: int = 0
     stop: tuple[str, ...] = ()  # stop strings: generation ends once the text contains one
+    ignore_eos: bool = False  # generate past the end-of-sequence token, up to max_new_tokens
 
     def __post_init__(self):
         if not self.prompt_ids:
@@ -86,7 +87,7 @@ class StopChecker:
         self.stop_at: int | None = None  # character offset of a matched stop string
 
     def add(self, token: int) -> str | None:
-        if token in self.eos_ids:
+        if token in self.eos_ids and not self.request.ignore_eos:
             return "stop"
         self.token_ids.append(token)
         if self.request.stop and self._find_stop() is not None:

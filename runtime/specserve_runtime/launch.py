@@ -160,7 +160,7 @@ def vllm_command(config: RuntimeConfig, program: list[str] | None = None) -> lis
         *(program or vllm_program()),
         "--model", config.model_source,
         "--served-model-name", config.served_name,
-        "--host", "0.0.0.0",
+        "--host", config.host,
         "--port", str(config.port),
     ]
     speculative = speculative_config(config)

@@ -3,6 +3,7 @@ bounded concurrency, disconnects, and the vLLM launcher's command lines."""
 
 import asyncio
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -605,9 +606,9 @@ def test_serve_config_passes_every_engine_option(tmp_path, monkeypatch):
     monkeypatch.setattr(cli, "run_embedded_server", lambda args: served.update(vars(args)))
     assert cli.main(["serve", "--config", str(tmp_path / "runtime.yaml")]) == 0
     assert {key: served[key] for key in ("model", "method", "drafter", "num_speculative_tokens", "draft_tree",
-                                         "prompt_lookup", "served_model_name", "port")} == {
+                                         "prompt_lookup", "served_model_name", "host", "port")} == {
         "model": "SmolLM2-135M-Instruct", "method": "dflash", "drafter": "/opt/d", "num_speculative_tokens": 6,
-        "draft_tree": True, "prompt_lookup": 4, "served_model_name": "smol", "port": 8123}
+        "draft_tree": True, "prompt_lookup": 4, "served_model_name": "smol", "host": "0.0.0.0", "port": 8123}
 
 
 def test_launch_dry_run_prints_the_exact_command(tmp_path):
@@ -615,9 +616,10 @@ def test_launch_dry_run_prints_the_exact_command(tmp_path):
     config.write_text(RuntimeConfig(model="Qwen/Qwen3-8B", served_name="qwen3-8b", method="dflash",
                                     drafter="hf://z-lab/Qwen3-8B-DFlash-b16", num_speculative_tokens=15, engine="vllm",
                                     engine_args=["--attention-backend", "flash_attn; rm -rf /"]).to_yaml())
+    image = {name: value for name, value in os.environ.items() if name != "SPECSERVE_VLLM"}  # as in the image
     out = subprocess.run([specserve_bin(), "launch", "--config", str(config), "--dry-run"], capture_output=True,
-                         text=True, check=True).stdout.strip()
-    assert out.startswith("vllm serve Qwen/Qwen3-8B --served-model-name qwen3-8b --host 0.0.0.0 --port 8000 "
+                         text=True, check=True, env=image).stdout.strip()
+    assert out.startswith("vllm serve --model Qwen/Qwen3-8B --served-model-name qwen3-8b --host 0.0.0.0 --port 8000 "
                           "--speculative-config ")
     assert out.endswith("--attention-backend 'flash_attn; rm -rf /'")  # an argument, quoted, never shell code
 

@@ -49,7 +49,7 @@ READY_TIMEOUT = 900  # four servers starting together on 2 cores take 3-5 minute
 
 
 @dataclass
-class VllmServer:
+class RuntimeServer:
     method: str
     serving: Serving
     deployment: dict  # the rendered Deployment of the stable revision
@@ -73,21 +73,24 @@ def vllm_program() -> str:
     return program
 
 
-def serving_document(name: str, speculator: dict) -> dict:
+def serving_document(name: str, speculator: dict, engine: str = "vllm") -> dict:
     return {
         "apiVersion": "specserve.io/v1alpha1", "kind": "SpeculativeServing",
         "metadata": {"name": name, "namespace": NAMESPACE, "uid": f"uid-{name}"},
         "spec": {"profile": "team-cpu",
                  "model": {"name": MODEL_ID, "uri": f"hf://{MODEL_ID}", "servedName": SERVED},
                  "speculator": speculator,
-                 "runtime": {"engine": "vllm", "args": VLLM_ARGS}},
+                 "runtime": {"engine": engine, "args": VLLM_ARGS if engine == "vllm" else []}},
     }
 
 
-def hub_cache(hf_home: Path) -> None:
-    """HF_HOME/hub holding the default model as the hub would have cached MODEL_ID: what a pod's cache volume
-    holds after a download, and what vLLM reads with HF_HUB_OFFLINE."""
-    repo = hf_home / "hub" / f"models--{MODEL_ID.replace('/', '--')}"
+def model_caches(cache: Path) -> None:
+    """The cache volume holding the default model as the hub would have cached MODEL_ID (HF_HOME/hub: what a pod
+    holds after a download, and what vLLM reads with HF_HUB_OFFLINE), and as `specserve pull` caches it for the
+    embedded engine (SPECSERVE_CACHE/models)."""
+    (cache / "models").mkdir(parents=True)
+    (cache / "models" / default_model_dir().name).symlink_to(default_model_dir())
+    repo = cache / "huggingface" / "hub" / f"models--{MODEL_ID.replace('/', '--')}"
     revision = "0" * 40
     snapshot = repo / "snapshots" / revision
     snapshot.mkdir(parents=True)
@@ -97,11 +100,11 @@ def hub_cache(hf_home: Path) -> None:
     (repo / "refs" / "main").write_text(revision)
 
 
-def wait_ready(server: VllmServer) -> None:
+def wait_ready(server: RuntimeServer) -> None:
     deadline = time.monotonic() + READY_TIMEOUT
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
-            raise RuntimeError(f"vLLM ({server.method}) exited with {server.process.returncode}:\n"
+            raise RuntimeError(f"{server.serving.name} exited with {server.process.returncode}:\n"
                                + server.log.read_text()[-4000:])
         try:
             with urllib.request.urlopen(server.url + server.readiness_path, timeout=5) as response:
@@ -109,14 +112,15 @@ def wait_ready(server: VllmServer) -> None:
                     return
         except OSError:
             time.sleep(1)
-    raise TimeoutError(f"vLLM ({server.method}) not ready on {server.readiness_path} in {READY_TIMEOUT} s:\n"
+    raise TimeoutError(f"{server.serving.name} not ready on {server.readiness_path} in {READY_TIMEOUT} s:\n"
                        + server.log.read_text()[-4000:])
 
 
-def launch(method: str, work: Path, cache: Path) -> VllmServer:
+def launch(method: str, work: Path, cache: Path, engine: str = "vllm") -> RuntimeServer:
+    """`specserve launch` of the stable revision the operator renders for `method` on `engine`."""
     profile, problems = parse_profile(PROFILE)
     assert problems == []
-    serving, problems = parse_serving(serving_document(f"smollm2-{method}", SPECULATORS[method]))
+    serving, problems = parse_serving(serving_document(f"smollm2-{method}-{engine}", SPECULATORS[method], engine))
     assert problems == [], problems
     objects = render_all(serving, profile)
     (deployment,) = [o for o in objects if o["kind"] == "Deployment"]
@@ -124,20 +128,20 @@ def launch(method: str, work: Path, cache: Path) -> VllmServer:
     config = yaml.safe_load(config_map["data"]["runtime.yaml"])
     port = free_port()
     config["port"] = port
-    config_file = work / f"{method}.yaml"
+    config_file = work / f"{method}-{engine}.yaml"
     config_file.write_text(yaml.safe_dump(config))
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e["value"].replace(CACHE_MOUNT, str(cache), 1) if e["value"].startswith(CACHE_MOUNT)
            else e["value"] for e in container["env"]}
     env.update(PATH=os.environ["PATH"], HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", **{VLLM_ENV: vllm_program()})
-    log = work / f"{method}.log"
+    log = work / f"{method}-{engine}.log"
     with open(log, "w") as out:
         process = subprocess.Popen([specserve_bin(), *container["args"][:2], str(config_file)], env=env,
                                    stdout=out, stderr=subprocess.STDOUT)
-    return VllmServer(method, serving, deployment, config, f"http://127.0.0.1:{port}", process, log)
+    return RuntimeServer(method, serving, deployment, config, f"http://127.0.0.1:{port}", process, log)
 
 
-def stop(server: VllmServer) -> None:
+def stop(server: RuntimeServer) -> None:
     server.process.terminate()
     try:
         server.process.wait(timeout=60)
@@ -147,12 +151,17 @@ def stop(server: VllmServer) -> None:
 
 
 @pytest.fixture(scope="session")
-def vllm_servers(tmp_path_factory) -> dict[str, VllmServer]:
+def runtime_cache(tmp_path_factory) -> Path:
+    cache = tmp_path_factory.mktemp("cache")  # the pods' cache volume: one here, where every pod has its own
+    model_caches(cache)
+    return cache
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(tmp_path_factory, runtime_cache) -> dict[str, RuntimeServer]:
     """The four methods' servers, started together (their starts overlap: about 4 minutes, not 4 of 1-2 each)."""
     work = tmp_path_factory.mktemp("vllm")
-    cache = work / "cache"  # the pods' cache volume: one here, as every pod has its own
-    hub_cache(cache / "huggingface")
-    servers = {method: launch(method, work, cache) for method in SPECULATORS}
+    servers = {method: launch(method, work, runtime_cache) for method in SPECULATORS}
     try:
         with ThreadPoolExecutor(len(servers)) as pool:
             list(pool.map(wait_ready, servers.values()))
@@ -160,6 +169,17 @@ def vllm_servers(tmp_path_factory) -> dict[str, VllmServer]:
     finally:
         for server in servers.values():
             stop(server)
+
+
+@pytest.fixture(scope="session")
+def embedded_server(tmp_path_factory, runtime_cache) -> RuntimeServer:
+    """The embedded engine serving the same model, plain decoding, launched the same way."""
+    server = launch("none", tmp_path_factory.mktemp("embedded"), runtime_cache, engine="embedded")
+    try:
+        wait_ready(server)
+        yield server
+    finally:
+        stop(server)
 
 
 @pytest.fixture(scope="session")

@@ -299,7 +299,8 @@ class Server:
             raise ApiError(400, f"max_tokens {max_tokens} + {len(prompt_ids)} prompt tokens exceed the context "
                                 f"length {self.context_length}", param="max_tokens")
         seed = body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little")
-        return Request(prompt_ids, max_tokens, SamplingParams(body.temperature, body.top_p), seed, body.stops())
+        return Request(prompt_ids, max_tokens, SamplingParams(body.temperature, body.top_p), seed, body.stops(),
+                       body.ignore_eos)
 
     async def completions(self, request):
         body = protocol.parse(protocol.CompletionRequest, await self._payload(request))
@@ -308,7 +309,7 @@ class Server:
 
     async def chat_completions(self, request):
         body = protocol.parse(protocol.ChatCompletionRequest, await self._payload(request))
-        prompt_ids = self.model.encode_chat([m.model_dump() for m in body.messages])
+        prompt_ids = self.model.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
         return await self._respond(request, body, self._engine_request(body, prompt_ids, body.token_limit()), chat=True)
 
     async def _respond(self, http_request, body, engine_request: Request, chat: bool):
@@ -350,19 +351,29 @@ class Server:
                 return protocol.chat_chunk(request_id, self.served_name, {"content": text}, finish_reason)
             return protocol.completion_chunk(request_id, self.served_name, text, finish_reason)
 
+        options = body.stream_options or protocol.StreamOptions()
+        prompt_tokens, generated = len(job.request.prompt_ids), 0
+
+        async def send_chunk(payload) -> None:
+            if options.continuous_usage_stats:  # what the request used so far, in every chunk
+                payload["usage"] = protocol.usage(prompt_tokens, generated)
+            await send(payload)
+
         text = IncrementalText(self.model.tokenizer, job.request.stop)
         if chat:
-            await send(protocol.chat_chunk(request_id, self.served_name, {"role": "assistant", "content": ""}, None))
+            await send_chunk(protocol.chat_chunk(request_id, self.served_name, {"role": "assistant", "content": ""}, None))
         result = None
         async for item in self._events(job):
             if isinstance(item, Result):
                 result = item
             else:  # an engine step
+                generated += len(item.token_ids)
                 delta = text.step(item.token_ids)
                 if delta:
-                    await send(chunk(delta))
-        await send(chunk(text.finish(result.text), result.finish_reason))
-        if body.stream_options and body.stream_options.include_usage:
+                    await send_chunk(chunk(delta))
+        generated = len(result.token_ids)
+        await send_chunk(chunk(text.finish(result.text), result.finish_reason))
+        if options.include_usage:
             final = chunk("")
             final["choices"], final["usage"] = [], protocol.usage(result.prompt_tokens, len(result.token_ids))
             await send(final)

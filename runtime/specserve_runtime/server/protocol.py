@@ -18,11 +18,13 @@ class ApiError(Exception):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the request's usage
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk
 
 
 class SamplingFields(BaseModel):
-    # Unknown fields (user, logit_bias, ...) are ignored, as OpenAI-compatible servers do.
+    # Unknown fields (user, logit_bias, ...) are ignored, as OpenAI-compatible servers do; the ones this server
+    # would have to answer differently are refused by name instead (_unsupported), not silently dropped.
     model_config = ConfigDict(extra="ignore")
 
     model: str
@@ -33,7 +35,24 @@ class SamplingFields(BaseModel):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    ignore_eos: bool = False  # vLLM's: generate past the end-of-sequence token, up to max_tokens
+    n: int = 1
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value):
+        if value != 1:
+            raise ValueError(f"the embedded engine returns one choice per request, not {value} (send {value} requests)")
+        return value
+
+    @field_validator("logprobs", "top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, value):
+        if value not in (None, False, 0):
+            raise ValueError("the embedded engine does not return log-probabilities")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -63,10 +82,19 @@ class CompletionRequest(SamplingFields):
         return value
 
 
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: str | list[TextPart]  # a list of parts, as OpenAI's API and vLLM take it: text parts only
+
+    def text(self) -> str:
+        """The message's text: its parts joined by newlines, as vLLM joins them."""
+        return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -85,7 +113,8 @@ def parse(model: type[BaseModel], payload) -> BaseModel:
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
-        raise ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from exc
+        message = first["msg"].removeprefix("Value error, ")
+        raise ApiError(400, f"{param}: {message}" if param else message, param=param) from exc
 
 
 def new_id(prefix: str) -> str:
