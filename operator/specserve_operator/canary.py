@@ -27,10 +27,9 @@ import hashlib
 import json
 import math
 import os
+import shlex
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -43,13 +42,19 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from . import api  # pydantic only: the decision and measurement modules are imported when a canary runs
+from specserve_runtime.config import DEFAULT_DRAFTER_NAMES, RuntimeConfig
+from specserve_runtime.processes import (LOOPBACK, READY_SECONDS, Child, ChildFailed, TimedOut, free_port, http_get,
+                                        spawn, stop_children, wait_ready)
 
-SPEC_KEYS = ("method", "draftModel", "numSpeculativeTokens", "draftTree", "promptLookup")
+from . import api  # pydantic only: the decision and measurement modules are imported when a canary runs
+from .render import READINESS_PATHS
+
+SPEC_KEYS = ("method", "draftModel", "numSpeculativeTokens", "draftTree", "promptLookup", "engine")
 SERVING = "canary"  # the `serving` series label of both revisions
 SERVED_NAME = "canary"  # the OpenAI model name both runtimes answer to
-READY_SECONDS = 180  # a runtime or Prometheus not ready by then is a failure
-STOP_GRACE_SECONDS = 10  # SIGTERM, then SIGKILL after this
+# vLLM on a CPU: float32, no graph compilation (it starts in about a minute, not three), a short context, and a KV
+# cache of 1 GiB (vLLM's own default takes a share of the machine's memory, for each of the two).
+DEFAULT_VLLM_ARGS = f"--dtype float32 --enforce-eager --max-model-len 4096 --kv-cache-memory-bytes {1 << 30}"
 REQUEST_TIMEOUT_SECONDS = 120  # one chat completion, at most
 ERROR_BACKOFF_SECONDS = 0.5  # a client pauses after an error instead of spinning
 MAX_CONCURRENCY = 16  # closed-loop clients per runtime
@@ -60,31 +65,25 @@ class CanaryError(Exception):
     """Bad input: one line naming the field, exit status 2, nothing started."""
 
 
-class CanaryFailure(Exception):
-    """Something this command started did not work (a runtime exited, Prometheus never ready): exit 1."""
-
-
-class TimedOut(Exception):
-    """--timeout-seconds reached: the decision is Inconclusive."""
-
-
 # ---- the speculators -----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class LocalSpeculator:
-    """A CR speculator with a local drafter: a checkpoint folder, "random", or None (the bundled one)."""
+    """A CR speculator with a local drafter (a checkpoint folder, "random", or None: the bundled one), and the
+    engine that runs it (the CR's runtime.engine)."""
 
     method: str
     draft_model: str | None = None
     num_speculative_tokens: int | None = None
     draft_tree: bool | None = None
     prompt_lookup: int | None = None
+    engine: str = "embedded"
 
     def as_dict(self) -> dict:
         fields = {"method": self.method, "draftModel": self.draft_model,
                   "numSpeculativeTokens": self.num_speculative_tokens, "draftTree": self.draft_tree,
-                  "promptLookup": self.prompt_lookup}
+                  "promptLookup": self.prompt_lookup, "engine": None if self.engine == "embedded" else self.engine}
         return {key: value for key, value in fields.items() if value is not None}
 
     @property
@@ -103,26 +102,28 @@ class LocalSpeculator:
             extra.append("a draft tree" if self.draft_tree else "a chain")
         if self.prompt_lookup is not None:
             extra.append(f"prompt lookup's copies of up to {self.prompt_lookup}" if self.prompt_lookup else "no copies")
+        if self.engine != "embedded":
+            extra.append(f"on {self.engine}")
         return self.method + (f" ({', '.join(extra)})" if extra else "")
 
-    def serve_arguments(self) -> list[str]:
-        arguments = ["--method", self.method]  # `serve --method none` is plain autoregressive decoding
-        if self.draft_model:
-            arguments += ["--drafter", self.draft_model]
-        if self.num_speculative_tokens is not None:
-            arguments += ["--num-speculative-tokens", str(self.num_speculative_tokens)]
-        if self.draft_tree is not None:
-            arguments.append("--draft-tree" if self.draft_tree else "--no-draft-tree")
-        if self.prompt_lookup is not None:
-            arguments += ["--prompt-lookup", str(self.prompt_lookup)]
-        return arguments
+    def runtime_config(self, model: str, port: int, engine_args: list[str]) -> RuntimeConfig:
+        """The runtime configuration the operator would render for it (render.runtime_config), on loopback.
+        Without a draftModel, eagle3 and dflash run the bundled drafter."""
+        drafter = self.draft_model
+        if drafter is None and self.method in DEFAULT_DRAFTER_NAMES:
+            drafter = f"bundled://{DEFAULT_DRAFTER_NAMES[self.method]}"
+        return RuntimeConfig(model=model, served_name=SERVED_NAME, method=self.method, drafter=drafter,
+                             num_speculative_tokens=self.num_speculative_tokens, draft_tree=self.draft_tree,
+                             prompt_lookup=self.prompt_lookup, engine=self.engine,
+                             engine_args=engine_args if self.engine == "vllm" else [], host="127.0.0.1", port=port)
 
     def api_speculator(self) -> api.Speculator:
         """The CR's Speculator, checked by the API's own rules; the local drafter stands in as a pvc:// URI."""
         uri = None
         if self.method in ("eagle3", "dflash"):
             uri = f"pvc://local/{Path(self.draft_model).name if self.draft_model else 'bundled'}"
-        return api.Speculator.model_validate({**self.as_dict(), "draftModel": uri})
+        fields = {key: value for key, value in self.as_dict().items() if key != "engine"}
+        return api.Speculator.model_validate({**fields, "draftModel": uri})
 
 
 def _read_spec(text: str, flag: str) -> dict:
@@ -198,6 +199,16 @@ def parse_speculator(text: str, flag: str) -> LocalSpeculator:
         if _integer(lookup) is None:
             raise CanaryError(f"{flag}: promptLookup: must be an integer, got {lookup!r}")
         lookup = _integer(lookup)  # its range and its method: the CR's own rules, below
+    engine = data.get("engine", "embedded")
+    if engine not in ("embedded", "vllm"):
+        raise CanaryError(f"{flag}: engine: {engine!r} is neither embedded nor vllm")
+    if engine == "vllm":
+        for key, message in api.EMBEDDED_ONLY.items():
+            if data.get(key) not in (None, False, 0, "false", "0"):
+                raise CanaryError(f"{flag}: {key}: {message}")
+        if data.get("draftModel") == "random":
+            raise CanaryError(f"{flag}: draftModel: random is an untrained drafter of the embedded engine; "
+                              "vLLM loads drafter folders")
     draft = data.get("draftModel")
     if draft is not None:
         if method not in ("eagle3", "dflash"):
@@ -209,7 +220,7 @@ def parse_speculator(text: str, flag: str) -> LocalSpeculator:
                 raise CanaryError(f"{flag}: draftModel: {draft!r}: no such folder "
                                   "(a drafter checkpoint folder, or random)")
             draft = str(folder.resolve())
-    speculator = LocalSpeculator(method, draft, tokens, tree, lookup)
+    speculator = LocalSpeculator(method, draft, tokens, tree, lookup, engine)
     try:
         speculator.api_speculator()  # the CR's own rules too (e.g. numSpeculativeTokens <= 64)
     except ValidationError as exc:
@@ -266,10 +277,10 @@ def build_rollout(args, candidate: LocalSpeculator) -> tuple[api.Rollout, api.Sl
     return rollout, slo
 
 
-def default_timeout(rollout: api.Rollout) -> float:
+def default_timeout(rollout: api.Rollout, start_seconds: float = READY_SECONDS["embedded"]) -> float:
     """Start-up, plus twice each step's planned time (its analysisSeconds, at least one interval, plus one)."""
     interval = rollout.analysis.interval_seconds
-    return READY_SECONDS + 2 * sum(max(step.analysis_seconds, interval) + interval for step in rollout.steps)
+    return start_seconds + 2 * sum(max(step.analysis_seconds, interval) + interval for step in rollout.steps)
 
 
 @dataclass(frozen=True)
@@ -286,6 +297,7 @@ class Plan:
     timeout_seconds: float
     prometheus: str | None  # the binary, or None: scrape the runtimes directly
     no_prometheus: bool = False  # None above by request
+    vllm_args: tuple[str, ...] = ()  # the engine arguments of a revision on vLLM (the CR's runtime.args)
 
 
 def make_plan(args) -> Plan:
@@ -303,7 +315,8 @@ def make_plan(args) -> Plan:
         raise CanaryError(f"--max-new-tokens: must be within 1..4096, got {args.max_new_tokens}")
     if not (args.price_per_hour > 0 and math.isfinite(args.price_per_hour)):
         raise CanaryError(f"--price-per-hour: must be > 0, got {args.price_per_hour}")
-    timeout = default_timeout(rollout) if args.timeout_seconds is None else args.timeout_seconds
+    start_seconds = max(READY_SECONDS[stable.engine], READY_SECONDS[candidate.engine])
+    timeout = default_timeout(rollout, start_seconds) if args.timeout_seconds is None else args.timeout_seconds
     if not (timeout > 0 and math.isfinite(timeout)):
         raise CanaryError(f"--timeout-seconds: must be > 0, got {args.timeout_seconds}")
     try:
@@ -312,93 +325,39 @@ def make_plan(args) -> Plan:
         raise CanaryError(str(exc)) from None
     binary = None if args.no_prometheus else shutil.which("prometheus")
     return Plan(stable, candidate, rollout, slo, prompts, args.model, args.concurrency, args.max_new_tokens,
-                args.price_per_hour, timeout, binary, args.no_prometheus)
+                args.price_per_hour, timeout, binary, args.no_prometheus, tuple(shlex.split(args.vllm_args)))
 
 
 # ---- processes -----------------------------------------------------------------------------
 
-_LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through an HTTP proxy
 
-
-def http_get(url: str, timeout: float = 2.0) -> bytes:
-    with _LOOPBACK.open(url, timeout=timeout) as response:
-        return response.read()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Child:
-    name: str
-    process: subprocess.Popen
-    log: Path
-
-    def tail(self, lines: int = 5) -> str:
-        try:
-            return " | ".join(self.log.read_text(errors="replace").strip().splitlines()[-lines:])
-        except OSError:
-            return ""
-
-
-def _end_with_parent() -> None:
-    """Linux: the kernel sends the child SIGTERM if this command dies without cleaning up (SIGKILL)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def spawn(name: str, command: list[str], log: Path, env: dict | None = None) -> Child:
-    """A child in its own process group: a terminal's Ctrl-C reaches this command, which stops it in order."""
-    with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                   process_group=0, preexec_fn=_end_with_parent if sys.platform == "linux" else None)
-    return Child(name, process, log)
-
-
-def stop_children(children: list[Child], grace: float = STOP_GRACE_SECONDS) -> None:
-    for child in children:
-        if child.process.poll() is None:
-            child.process.terminate()
-    deadline = time.monotonic() + grace
-    for child in children:
-        try:
-            child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.process.kill()
-            child.process.wait(timeout=10)
-
-
-def wait_ready(url: str, child: Child, deadline: float, overall: float) -> None:
-    """Poll url until it answers 200; a child that exits, or READY_SECONDS passing, is a failure."""
-    while True:
-        if child.process.poll() is not None:
-            raise CanaryFailure(f"{child.name} exited with code {child.process.returncode}: {child.tail()}")
-        try:
-            http_get(url)
-            return
-        except (OSError, ValueError):
-            pass
-        now = time.monotonic()
-        if now >= overall:
-            raise TimedOut(f"--timeout-seconds reached while waiting for {child.name}")
-        if now >= deadline:
-            raise CanaryFailure(f"{child.name} not ready after {READY_SECONDS} s: {child.tail()}")
-        time.sleep(0.3)
+def cores_of(role: str) -> str:
+    """The cores a revision's vLLM binds its threads to: half the machine's each (both all of a single core)."""
+    cores = sorted(os.sched_getaffinity(0))
+    half = max(len(cores) // 2, 1)
+    mine = cores[:half] if role == "stable" else cores[half:] or cores[:half]
+    return ",".join(map(str, mine))
 
 
 def start_runtime(role: str, speculator: LocalSpeculator, plan: Plan, port: int, work: Path) -> Child:
-    command = [sys.executable, "-m", "specserve_runtime.cli", "serve", *speculator.serve_arguments(),
-               "--model", plan.model, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
-               "--max-concurrency", str(2 * plan.concurrency + 2)]
-    # Two runtimes share this machine's cores evenly: one thread each.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    """The revision's runtime configuration, as the operator renders it, run by `specserve launch` (vLLM) or
+    `specserve serve --config` (the embedded engine, with the admission bound the load needs)."""
+    from specserve_runtime.store import resolve_model  # no torch
+
+    model = str(resolve_model(plan.model)) if speculator.engine == "vllm" else plan.model  # vLLM has no aliases
+    config = work / f"{role}.yaml"
+    config.write_text(speculator.runtime_config(model, port, list(plan.vllm_args)).to_yaml())
+    cli = [sys.executable, "-m", "specserve_runtime.cli"]
+    if speculator.engine == "vllm":
+        command = [*cli, "launch", "--config", str(config)]
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cores_of(role), "TOKENIZERS_PARALLELISM": "false"}
+    else:
+        command = [*cli, "serve", "--config", str(config), "--max-concurrency", str(2 * plan.concurrency + 2)]
+        # Two runtimes share this machine's cores evenly: one thread each.
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     return spawn(f"{role} runtime ({speculator.describe()}, revision {speculator.revision})", command,
                  work / f"{role}.log", env)
+
 
 
 def prometheus_config(targets: dict[str, int]) -> dict:
@@ -469,7 +428,7 @@ class ClosedLoop:
         body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
                 "max_tokens": self.max_tokens}
         request = urllib.request.Request(self.url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-        with _LOOPBACK.open(request, timeout=REQUEST_TIMEOUT_SECONDS) as response:
+        with LOOPBACK.open(request, timeout=REQUEST_TIMEOUT_SECONDS) as response:
             if not json.loads(response.read()).get("choices"):
                 raise ValueError("a response with no choices")
 
@@ -564,12 +523,14 @@ def run(plan: Plan, outcome: Outcome, on_windows=None) -> None:
             why = "--no-prometheus" if plan.no_prometheus else "no prometheus binary on PATH"
             say(f"{why}: measuring by scraping the runtimes' /metrics directly (measure.ScrapeSource)")
         outcome.prometheus = prometheus_url is not None
-        say(f"starting {children[0].name} and {children[1].name} (one thread each)")
-        ready_by = time.monotonic() + READY_SECONDS
+        say(f"starting {children[0].name} and {children[1].name} (half the cores each)")
+        started = time.monotonic()
         for role, child in zip(("stable", "candidate"), children):
-            wait_ready(f"http://127.0.0.1:{ports[role]}/ready", child, ready_by, overall)
+            path = READINESS_PATHS[speculators[role].engine]  # where the Deployment's readinessProbe asks
+            wait_ready(f"http://127.0.0.1:{ports[role]}{path}", child, READY_SECONDS[speculators[role].engine], overall,
+                       started)
         if prometheus_url:
-            wait_ready(f"{prometheus_url}/-/ready", children[2], time.monotonic() + READY_SECONDS, overall)
+            wait_ready(f"{prometheus_url}/-/ready", children[2], READY_SECONDS["embedded"], overall)
         for role in ("stable", "candidate"):
             loads[role] = ClosedLoop(f"http://127.0.0.1:{ports[role]}", plan.prompts, plan.concurrency,
                                      plan.max_new_tokens, stop)
@@ -729,7 +690,7 @@ def run_to_the_end(plan: Plan, command: str, on_windows=None) -> tuple[Outcome, 
         outcome.decision, outcome.reason = "Inconclusive", f"interrupted ({signal.Signals(signum).name})"
         say(f"specserve {command}: interrupted; stopped every process it started")
         code = 128 + signum
-    except CanaryFailure as exc:
+    except ChildFailed as exc:
         say(f"specserve {command}: {exc}")
         code = 1
     return outcome, code
@@ -764,6 +725,9 @@ SPEC is a speculator as in the SpeculativeServing CR: a YAML/JSON file with meth
 numSpeculativeTokens, draftTree, promptLookup, or inline, e.g. method=dflash,draftModel=PATH,numSpeculativeTokens=3.
 Locally draftModel is a drafter checkpoint folder or `random` (an untrained drafter), and may be
 left out for eagle3/dflash (the bundled trained drafter). method none is plain decoding.
+engine=vllm (the CR's runtime.engine; default embedded) runs that revision on vLLM, started by
+`specserve launch` as in a pod, with --vllm-args; e.g. --stable engine=vllm,method=eagle3
+--candidate engine=vllm,method=dflash.
 
 Load: locally each revision is one replica. The step weight is the share of traffic the
 operator would route to the candidate (by replicas), shown in the table; what the analysis
@@ -825,7 +789,11 @@ def add_rollout_flags(parser, defaults: dict | None = None) -> None:
          help=f"closed-loop clients PER RUNTIME, 1..{MAX_CONCURRENCY} (default %(default)s)")
     flag("--max-new-tokens", type=int, default=64, help="max_tokens per request (default %(default)s)")
     flag("--timeout-seconds", type=float,
-         help=f"overall bound; reaching it decides Inconclusive (default: {READY_SECONDS} s of start-up "
+         help=f"overall bound; reaching it decides Inconclusive (default: {READY_SECONDS['embedded']} s of "
+              f"start-up, {READY_SECONDS['vllm']} with vLLM, "
               "plus twice the steps' planned time)")
     flag("--no-prometheus", action="store_true", help="scrape the runtimes' /metrics even if prometheus is installed")
+    flag("--vllm-args", default=DEFAULT_VLLM_ARGS,
+         help="vLLM's arguments for a revision with engine=vllm (the CR's runtime.args; default %(default)s; vLLM "
+              "itself comes from SPECSERVE_VLLM, else `vllm serve`)")
     flag("--json", action="store_true", help="stdout is one JSON object (one line)")

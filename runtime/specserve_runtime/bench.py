@@ -68,9 +68,11 @@ class Baseline:
 
     label: str  # its row in the table
     backend: str  # "hf": transformers' generate() on the fp32 folder; "llamacpp": llama.cpp on a GGUF (llamacpp.py);
-    #               "engine": the engine's plain decoding with its weights in oneDNN's float32 layout only
+    #               "engine": the engine's plain decoding with its weights in oneDNN's float32 layout only;
+    #               "vllm": vLLM serving the fp32 folder (vllm_baseline.py)
     lookup: bool = False  # prompt-lookup drafting, PROMPT_LOOKUP_TOKENS per step
     quantisation: str | None = None  # llama.cpp's weights; q4_1 holds the very values the engine runs in fp32
+    method: str = "none"  # vLLM's speculator: none, or eagle3 / dflash with the bundled drafter
 
 
 # --baselines names; a group stands for its members
@@ -80,8 +82,11 @@ BASELINES = {
     "prompt-lookup": Baseline("hf-prompt-lookup", "hf", lookup=True),
     **{f"llamacpp-{q}{lookup}": Baseline(f"llamacpp-{q}{lookup}", "llamacpp", bool(lookup), q)
        for q in ("q4_1", "q8_0") for lookup in ("", "-lookup")},
+    **{f"vllm{suffix}": Baseline(f"vllm{suffix}", "vllm", method=method)
+       for method, suffix in (("none", ""), ("eagle3", "-eagle3"), ("dflash", "-dflash"))},
 }
-BASELINE_GROUPS = {"llamacpp": [name for name in BASELINES if name.startswith("llamacpp-")]}
+BASELINE_GROUPS = {backend: [name for name, baseline in BASELINES.items() if baseline.backend == backend]
+                   for backend in ("llamacpp", "vllm")}
 BASELINE_LABELS = {baseline.label for baseline in BASELINES.values()}
 GAP_REFERENCE = "llamacpp-q4_1"  # plain llama.cpp on the engine's own weights: the speed to close
 
@@ -157,10 +162,17 @@ def method_spec(name: str) -> tuple[str, ProposerOptions]:
 
 def run_bench(model: LoadedModel, methods: list[str], baselines: list[Baseline], prompts: list[dict],
               max_new_tokens: int, repeats: int, temperature: float, log=print) -> dict[str, MethodStats]:
+    with contextlib.ExitStack() as servers:  # the baselines that run as servers, stopped at the end
+        return _run_bench(model, methods, baselines, prompts, max_new_tokens, repeats, temperature, servers, log)
+
+
+def _run_bench(model: LoadedModel, methods: list[str], baselines: list[Baseline], prompts: list[dict],
+               max_new_tokens: int, repeats: int, temperature: float, servers: contextlib.ExitStack,
+               log) -> dict[str, MethodStats]:
     engines = {m: build_engine(model, *method_spec(m)) for m in methods}  # eagle3 / dflash: bundled unless @FOLDER
     encoded = [model.encode(record["prompt"]) for record in prompts]
     context = max(map(len, encoded)) + max_new_tokens + PROMPT_LOOKUP_TOKENS + 1  # the last step's drafts fit
-    runners = baseline_runners(model, baselines, context, torch.get_num_threads(), log)
+    runners = baseline_runners(model, baselines, context, torch.get_num_threads(), servers, log)
     stats = {name: MethodStats() for name in methods + list(runners)}
     sampling = SamplingParams(temperature=temperature)
     if temperature > 0:  # the baselines run greedy: nothing to compare a sampled output with
@@ -217,22 +229,24 @@ Runner = Callable[[list[int], int], tuple[list[int], float, float]]
 
 
 def baseline_runners(model: LoadedModel, baselines: list[Baseline], context: int, threads: int,
-                     log=print) -> dict[str, Runner]:
-    """A runner per baseline, by label, in the order given; each backend loads its models once."""
+                     servers: contextlib.ExitStack, log=print) -> dict[str, Runner]:
+    """A runner per baseline, by label, in the order given; each backend loads its models once (a server's
+    lifetime is `servers`')."""
     runners = {}
     for backend, open_runners in BACKENDS.items():
         mine = [baseline for baseline in baselines if baseline.backend == backend]
         if mine:
-            runners |= open_runners(model, mine, context, threads, log)
+            runners |= open_runners(model, mine, context, threads, servers, log)
     return {baseline.label: runners[baseline.label] for baseline in baselines}
 
 
-def _hf_runners(model: LoadedModel, baselines: list[Baseline], context: int, threads: int, log) -> dict[str, Runner]:
+def _hf_runners(model: LoadedModel, baselines: list[Baseline], context: int, threads: int, servers,
+                log) -> dict[str, Runner]:
     hf_model = _hf_model(model)  # torch's threads: already `threads`
     return {b.label: partial(_hf_generate, hf_model, lookup=b.lookup, eos_ids=model.eos_ids) for b in baselines}
 
 
-def _llamacpp_runners(model: LoadedModel, baselines: list[Baseline], context: int, threads: int,
+def _llamacpp_runners(model: LoadedModel, baselines: list[Baseline], context: int, threads: int, servers,
                       log) -> dict[str, Runner]:
     from . import llamacpp
 
@@ -244,7 +258,7 @@ def _llamacpp_runners(model: LoadedModel, baselines: list[Baseline], context: in
     return runners
 
 
-def _engine_runners(model: LoadedModel, baselines: list[Baseline], context: int, threads: int,
+def _engine_runners(model: LoadedModel, baselines: list[Baseline], context: int, threads: int, servers,
                     log) -> dict[str, Runner]:
     """`ar` as the engine ran before blockquant: every matrix product on oneDNN's float32 layout."""
     engine = build_engine(model, "ar")
@@ -258,7 +272,20 @@ def _engine_runners(model: LoadedModel, baselines: list[Baseline], context: int,
     return {baseline.label: generate for baseline in baselines}
 
 
-BACKENDS = {"engine": _engine_runners, "hf": _hf_runners, "llamacpp": _llamacpp_runners}
+def _vllm_runners(model: LoadedModel, baselines: list[Baseline], context: int, threads: int,
+                  servers: contextlib.ExitStack, log) -> dict[str, Runner]:
+    """One vLLM server per baseline, started in turn (each holds its memory until the bench ends)."""
+    from . import vllm_baseline
+
+    runners = {}
+    for b in baselines:
+        log(f"[vLLM] starting {b.label} on {threads} thread(s)")
+        url = servers.enter_context(vllm_baseline.serve(b.method, model.folder, threads, context))
+        runners[b.label] = partial(vllm_baseline.generate, url, eos_ids=model.eos_ids)
+    return runners
+
+
+BACKENDS = {"engine": _engine_runners, "hf": _hf_runners, "llamacpp": _llamacpp_runners, "vllm": _vllm_runners}
 
 
 def _hf_model(model: LoadedModel):

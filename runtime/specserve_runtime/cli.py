@@ -368,6 +368,11 @@ def cmd_bench(args) -> None:
         raise UsageError(str(exc)) from None
     if any(baseline.backend == "llamacpp" for baseline in baselines):  # refused before the run, not after minutes of it
         check_llamacpp_baselines(args.model)
+    if any(baseline.backend == "vllm" for baseline in baselines):
+        from .vllm_baseline import vllm_missing
+
+        if (why := vllm_missing()) is not None:
+            raise UsageError(why)
     if args.repeats < 1 or args.max_new_tokens < 1:
         raise UsageError("--repeats and --max-new-tokens must be >= 1")
     if args.emit_performance:  # refused before the run, not after minutes of it
@@ -448,9 +453,9 @@ def bench_server(args, methods: list[str], prompts: list[str]) -> None:
     all running, the methods taking turns at each level (--repeats rounds)."""
     from contextlib import ExitStack
 
-    from specserve_operator.canary import CanaryFailure
+    from .processes import ChildFailed
 
-    from .load_bench import LocalServer, measure_servers, performance_block, serve_arguments, table
+    from .load_bench import local_server, measure_servers, performance_block, serve_arguments, table
 
     concurrencies = _int_list(args.concurrency, "--concurrency")
     if not concurrencies or min(concurrencies) < 1 or concurrencies != sorted(set(concurrencies)):
@@ -474,9 +479,9 @@ def bench_server(args, methods: list[str], prompts: list[str]) -> None:
             urls = {methods[0]: args.url.rstrip("/")}
         else:
             try:
-                urls = {method: servers.enter_context(LocalServer(method, args.model, batch, serve_arguments(method)))
+                urls = {method: servers.enter_context(local_server(method, args.model, batch, serve_arguments(method)))
                         for method in methods}
-            except CanaryFailure as exc:  # a server did not start: its log's last lines name why
+            except ChildFailed as exc:  # a server did not start: its log's last lines name why
                 raise UsageError(f"bench --concurrency: {exc}") from exc
         results = measure_servers(urls, prompts, concurrencies, args.repeats, args.requests_per_client,
                                   args.max_new_tokens, log)
@@ -562,7 +567,9 @@ def build_parser() -> Parser:
     bench.add_argument("--baselines", help="comma list: onednn (ar with float32 weights, without blockquant), "
                        "hf (transformers generate), prompt-lookup (its assisted mode), "
                        "llamacpp-q4_1 and llamacpp-q8_0 (llama.cpp on the GGUF weights; pip install "
-                       "'specserve[llamacpp]'), each with -lookup for llama.cpp's prompt lookup; llamacpp: all four")
+                       "'specserve[llamacpp]'), each with -lookup for llama.cpp's prompt lookup; llamacpp: all four; "
+                       "vllm, vllm-eagle3, vllm-dflash (vLLM on the float32 folder, plain or with the bundled "
+                       "drafter; SPECSERVE_VLLM or `vllm`); vllm: all three")
     bench.add_argument("--model", default=DEFAULT_MODEL)
     bench.add_argument("--prompts-file", help='JSONL with a "prompt" field (default: the project\'s prompt set v1); '
                        'with "split", its eval split; with "category", --per-category of each')

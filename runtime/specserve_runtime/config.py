@@ -15,6 +15,7 @@ DEFAULT_PORT = 8000
 # engines load: `draftModel: bundled://NAME` is this folder + NAME wherever the runtime is installed.
 BUNDLED_DRAFTERS_DIR = Path(__file__).parent / "drafters" / "weights"
 BUNDLED_DRAFTERS = ("smollm2-135m-instruct-dflash", "smollm2-135m-instruct-eagle3")
+DEFAULT_DRAFTER_NAMES = {"dflash": "smollm2-135m-instruct-dflash", "eagle3": "smollm2-135m-instruct-eagle3"}
 # Where the operator mounts the claim of a pvc://CLAIM/PATH model or drafter, read-only: the runtime reads
 # PVC_MOUNT/CLAIM/PATH.
 PVC_MOUNT = "/mnt/pvc"

@@ -18,17 +18,17 @@ and a level measures what it serves after that, as the in-process `--closed-loop
 """
 
 import asyncio
+import contextlib
 import json
-import math
 import statistics
 import sys
-import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .bench import markdown_table, method_spec, scenario_method
+from .processes import READY_SECONDS, free_port, running
 
 
 @dataclass
@@ -184,38 +184,17 @@ def measure_servers(urls: dict[str, str], prompts: list[str], concurrencies: lis
     return results
 
 
-class LocalServer:
-    """`specserve serve` for one method on a free loopback port, started and stopped as the canary
-    command starts its runtimes (its log in a temporary folder, named when it fails)."""
-
-    def __init__(self, method: str, model: str, max_num_seqs: int, extra: list[str]):
-        from specserve_operator.canary import free_port
-
-        self.port = free_port()
-        self.command = [sys.executable, "-m", "specserve_runtime.cli", "serve", "--model", model, "--host", "127.0.0.1",
-                        "--port", str(self.port), "--max-num-seqs", str(max_num_seqs), "--max-concurrency",
-                        str(2 * max_num_seqs), *extra]
-        self.method = method
-
-    def __enter__(self) -> str:
-        """Start the server; its base URL once it is ready."""
-        from specserve_operator.canary import READY_SECONDS, spawn, wait_ready
-
-        self.work = tempfile.TemporaryDirectory(prefix="specserve-bench-")
-        self.child = spawn(f"specserve serve --method {self.method}", self.command, Path(self.work.name) / "serve.log")
-        url = f"http://127.0.0.1:{self.port}"
-        try:  # no overall bound beyond the runtime's own READY_SECONDS
-            wait_ready(url + "/ready", self.child, time.monotonic() + READY_SECONDS, math.inf)
-        except BaseException:
-            self.__exit__()
-            raise
-        return url
-
-    def __exit__(self, *exc) -> None:
-        from specserve_operator.canary import stop_children
-
-        stop_children([self.child])
-        self.work.cleanup()
+@contextlib.contextmanager
+def local_server(method: str, model: str, max_num_seqs: int, extra: list[str]) -> Iterator[str]:
+    """`specserve serve` for one method on a free loopback port, for the `with` block: its base URL once ready,
+    then stopped (processes.running: its log's last lines name why if it fails)."""
+    port = free_port()
+    command = [sys.executable, "-m", "specserve_runtime.cli", "serve", "--model", model, "--host", "127.0.0.1",
+               "--port", str(port), "--max-num-seqs", str(max_num_seqs), "--max-concurrency", str(2 * max_num_seqs),
+               *extra]
+    url = f"http://127.0.0.1:{port}"
+    with running(f"specserve serve --method {method}", command, url + "/ready", READY_SECONDS["embedded"]):
+        yield url
 
 
 def serve_arguments(name: str) -> list[str]:

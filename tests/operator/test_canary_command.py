@@ -102,20 +102,44 @@ def test_spec_file_and_inline_give_the_same_speculator_and_revision(tmp_path):
     from_file = canary.parse_speculator(str(spec), "--candidate")
     inline = canary.parse_speculator(f"method=dflash,draftModel={drafter},numSpeculativeTokens=3", "--candidate")
     assert from_file == inline == canary.LocalSpeculator("dflash", str(drafter.resolve()), 3)
-    assert from_file.serve_arguments() == ["--method", "dflash", "--drafter", str(drafter.resolve()),
-                                           "--num-speculative-tokens", "3"]
+    config = from_file.runtime_config("SmolLM2-135M-Instruct", 8123, ["--dtype", "float32"])
+    assert (config.method, config.drafter, config.num_speculative_tokens, config.engine, config.engine_args,
+            config.host, config.port) == ("dflash", str(drafter.resolve()), 3, "embedded", [], "127.0.0.1", 8123)
     assert len(from_file.revision) == 8 and from_file.revision != canary.parse_speculator("method=dflash", "-").revision
-    assert canary.parse_speculator("method=none", "--stable").serve_arguments() == ["--method", "none"]
-    assert canary.parse_speculator("method=eagle3", "--c").api_speculator().draft_model == "pvc://local/bundled"
+    plain = canary.parse_speculator("method=none", "--stable").runtime_config("m", 1, [])
+    assert (plain.method, plain.drafter) == ("none", None)
+    bundled = canary.parse_speculator("method=eagle3", "--c")
+    assert bundled.api_speculator().draft_model == "pvc://local/bundled"
+    assert bundled.runtime_config("m", 1, []).drafter == "bundled://smollm2-135m-instruct-eagle3"
     tree = canary.parse_speculator("method=dflash,numSpeculativeTokens=6,draftTree=true", "--candidate")
-    assert tree.serve_arguments()[-3:] == ["--num-speculative-tokens", "6", "--draft-tree"]
+    assert (tree.runtime_config("m", 1, []).num_speculative_tokens, tree.runtime_config("m", 1, []).draft_tree) == (6, True)
     assert tree.api_speculator().draft_tree is True and tree.revision != canary.parse_speculator(
         "method=dflash,numSpeculativeTokens=6", "-").revision
-    assert canary.parse_speculator("method=dflash,draftTree=False", "-").serve_arguments()[-1] == "--no-draft-tree"
+    assert canary.parse_speculator("method=dflash,draftTree=False", "-").runtime_config("m", 1, []).draft_tree is False
     copies = canary.parse_speculator("method=dflash,promptLookup=4", "--candidate")
-    assert copies.serve_arguments()[-2:] == ["--prompt-lookup", "4"] and copies.api_speculator().prompt_lookup == 4
+    assert copies.runtime_config("m", 1, []).prompt_lookup == 4 and copies.api_speculator().prompt_lookup == 4
     assert copies.revision != canary.parse_speculator("method=dflash", "-").revision
     assert "copies of up to 4" in copies.describe()
+
+
+def test_a_spec_may_run_on_vllm_as_the_crs_runtime_engine_says(tmp_path):
+    on_vllm = canary.parse_speculator("engine=vllm,method=dflash", "--candidate")
+    assert on_vllm.engine == "vllm" and "on vllm" in on_vllm.describe()
+    assert on_vllm.revision != canary.parse_speculator("method=dflash", "-").revision
+    assert canary.parse_speculator("engine=embedded,method=dflash", "-") == canary.parse_speculator("method=dflash", "-")
+    config = on_vllm.runtime_config("/models/smol", 8123, ["--dtype", "float32"])
+    assert (config.engine, config.engine_args, config.drafter) == ("vllm", ["--dtype", "float32"],
+                                                                   "bundled://smollm2-135m-instruct-dflash")
+    from specserve_runtime.launch import vllm_command
+
+    command = vllm_command(config, ["vllm", "serve"])  # the bundled folder passes the checks vLLM needs
+    assert command[:4] == ["vllm", "serve", "--model", "/models/smol"] and "--speculative-config" in command
+    for spec, message in [("engine=vllm,method=dflash,draftTree=true", "draftTree: a draftTree needs runtime.engine"),
+                          ("engine=vllm,method=eagle3,promptLookup=4", "promptLookup: a promptLookup branch needs"),
+                          ("engine=vllm,method=dflash,draftModel=random", "draftModel: random is an untrained drafter"),
+                          ("engine=gpu,method=none", "engine: 'gpu' is neither embedded nor vllm")]:
+        with pytest.raises(canary.CanaryError, match=message):
+            canary.parse_speculator(spec, "--candidate")
 
 
 def test_same_speculator_on_both_sides_is_refused(capsys, prompts_file, nothing_starts):

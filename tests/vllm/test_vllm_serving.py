@@ -3,6 +3,7 @@ Deployment probes, answering the openai client, the same greedy text whatever th
 a real Prometheus with the chart's PodMonitor relabelling by the operator's own PrometheusSource."""
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -13,10 +14,11 @@ import openai
 import pytest
 import yaml
 from specserve_operator.measure import PrometheusSource, Target
+from specserve_runtime.launch import VLLM_ENV
 
 from ..operator.test_chart import CHART, MONITORING_ON, rendered_objects
 from ..runtime.test_server import free_port
-from .conftest import NAMESPACE, SERVED
+from .conftest import NAMESPACE, SERVED, vllm_program
 
 
 def client(server) -> openai.OpenAI:
@@ -123,3 +125,36 @@ def test_prometheus_measures_every_revision_through_the_charts_relabelling(vllm_
     print(json.dumps({method: {"acceptance_length": round(w.acceptance_length or 1, 3),
                                "tokens_per_second": round(w.tokens_per_second, 1),
                                "p99_itl_ms": w.p99_inter_token_latency_ms} for method, w in windows.items()}))
+
+
+def test_the_local_canary_runs_both_revisions_on_vllm_through_the_same_launcher():
+    """`specserve canary` with engine=vllm in both SPECs: two vLLMs started by `specserve launch`, measured and
+    decided by the operator's code."""
+    from ..runtime.test_server import specserve_bin
+
+    run = subprocess.run([specserve_bin(), "canary", "--stable", "engine=vllm,method=eagle3",
+                          "--candidate", "engine=vllm,method=dflash", "--prompts-file", "docs/examples/canary-prompts.jsonl",
+                          "--steps", "50,100", "--interval-seconds", "10", "--json"],
+                         capture_output=True, text=True, timeout=900, env={**os.environ, VLLM_ENV: vllm_program()})
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout)
+    assert result["stable"]["speculator"] == {"method": "eagle3", "engine": "vllm"}
+    assert result["decision"] in ("Promoted", "Aborted") and result["analyses"], result["reason"]
+    for analysis in result["analyses"]:
+        for role in ("stable", "candidate"):
+            assert analysis[role]["missing"] is None and analysis[role]["acceptance_length"] >= 1.5, analysis
+
+
+def test_bench_measures_vllm_beside_the_embedded_engine_on_the_same_prompts():
+    """`specserve bench --baselines vllm`: a row for vLLM, started through the same launcher, on the same prompt
+    token ids and threads as the engine's methods."""
+    from ..runtime.test_server import specserve_bin
+
+    run = subprocess.run([specserve_bin(), "bench", "--methods", "ar", "--baselines", "vllm", "--per-category", "1",
+                          "--max-new-tokens", "16", "--json"],
+                         capture_output=True, text=True, timeout=900, env={**os.environ, VLLM_ENV: vllm_program()})
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line for line in run.stdout.splitlines() if line.startswith("| ")}
+    assert "ar" in rows and "vllm" in rows, run.stdout
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["methods"]["vllm"]["tokens"] > 0 and summary["methods"]["vllm"]["tokens_per_second"] > 0, summary

@@ -10,7 +10,7 @@ from typing import Callable, Protocol
 import torch
 
 from .. import blockquant
-from ..config import BUNDLED_DRAFTERS_DIR, MAX_PROMPT_LOOKUP
+from ..config import BUNDLED_DRAFTERS_DIR, DEFAULT_DRAFTER_NAMES, MAX_PROMPT_LOOKUP
 from ..errors import DrafterError
 from ..model import ModelConfig, Transformer
 from ..verify import DraftTree
@@ -136,8 +136,7 @@ class ProposerOptions:
 
 
 # Drafters trained by the project for the default target (see each folder's CARD.md), in the speculators layout.
-DEFAULT_DRAFTERS = {"dflash": BUNDLED_DRAFTERS_DIR / "smollm2-135m-instruct-dflash",
-                    "eagle3": BUNDLED_DRAFTERS_DIR / "smollm2-135m-instruct-eagle3"}
+DEFAULT_DRAFTERS = {method: BUNDLED_DRAFTERS_DIR / name for method, name in DEFAULT_DRAFTER_NAMES.items()}
 
 
 @dataclass(frozen=True)
