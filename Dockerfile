@@ -47,7 +47,7 @@ EXPOSE 8000
 ENTRYPOINT ["specserve"]
 CMD ["launch", "--config", "/etc/specserve/runtime.yaml"]
 
-FROM vllm/vllm-openai:v0.28.0 AS runtime
+FROM vllm/vllm-openai:v0.34.0 AS runtime
 ARG SPECSERVE_VERSION=0.1.0
 RUN useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin specserve
 # vLLM's image already has torch (CUDA), vLLM and what `specserve launch` imports (pydantic,
