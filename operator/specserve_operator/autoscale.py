@@ -31,6 +31,12 @@ by then. So the demand planned for is the larger of the measured one and the lea
 through the last TREND_SECONDS of measured demand, read that far ahead. A falling trend is never
 planned for: scale-down waits for the measurement, as before.
 
+Backlog. Requests already queued beyond the batch (a saturated window's vllm:num_requests_waiting at its
+end: a cold start under load, a burst) are work too, and sizing for the arrival rate alone would leave
+them to the headroom's spare capacity, minutes of p99 TTFT far past the SLO. So the count is sized for
+the demand plus the backlog drained within the SLO's time to first token (DEFAULT_DRAIN_SECONDS without
+one); the bounds and the budget cap it, and once the backlog is gone the demand alone sizes again.
+
 Bounds: spec.replicas.min / max, the profile's maxReplicas, and as many replicas as the profile's
 maxHourlyCostUSD pays for (never exceeded; when the SLO needs more, BudgetLimited with the numbers).
 When no count within the bounds is predicted to meet the SLO, the count is the smallest whose
@@ -62,6 +68,7 @@ TREND_SECONDS = 180  # the demand trend is fitted over this much history (at lea
 TREND_POINTS = 4
 FLOOR_TOLERANCE = 0.05  # when no count meets the SLO: replicas that improve the prediction by less buy nothing
 SATURATED_QUEUE_SHARE = 0.1  # a window whose requests spent more of their time queued measured the backlog
+DEFAULT_DRAIN_SECONDS = 60.0  # the backlog's drain time when the SLO sets no time to first token
 
 
 @dataclass(frozen=True)
@@ -108,11 +115,20 @@ class Demand:
     requests_per_second: float  # finished, all revisions (or the trend's forecast of it)
     tokens_per_request: float  # generated tokens per finished request
     measured_requests_per_second: float | None = None  # set when requests_per_second is a forecast
+    backlog: float = 0.0  # requests queued at the window's end, in saturated windows
+    drain_seconds: float = DEFAULT_DRAIN_SECONDS  # ... to be served within this, on top of the demand
+
+    @property
+    def sized_requests_per_second(self) -> float:
+        """What the replicas must take: the demand, and the backlog drained in time."""
+        return self.requests_per_second + self.backlog / self.drain_seconds
 
     def __str__(self) -> str:
         text = f"{self.requests_per_second:.2f} req/s x {self.tokens_per_request:.0f} tokens"
         if self.measured_requests_per_second is not None:
             text += f" (rising trend; measured {self.measured_requests_per_second:.2f} req/s)"
+        if self.backlog:
+            text += f" + a backlog of {self.backlog:.0f} requests drained within {self.drain_seconds:g} s"
         return text
 
 
@@ -125,7 +141,13 @@ def saturated(w: Window) -> bool:
     return w.waiting_per_replica > SATURATED_QUEUE_SHARE * w.in_flight_per_replica
 
 
-def demand_of(windows: list[Window]) -> tuple[Demand | None, str | None]:
+def drain_seconds(slo: api.Slo) -> float:
+    """How soon a backlog must be served: within the SLO's time to first token, the queue being where it waits."""
+    ttft = slo.p99_time_to_first_token_ms
+    return ttft / 1000 if ttft is not None else DEFAULT_DRAIN_SECONDS
+
+
+def demand_of(windows: list[Window], slo: api.Slo) -> tuple[Demand | None, str | None]:
     """The serving's demand over its revisions' windows, or None and why. A revision without ready
     replicas (a canary's first pod starting) serves nothing, so the others' windows are the whole
     demand: holding the count until it is ready would leave an overloaded stable unscaled."""
@@ -144,7 +166,9 @@ def demand_of(windows: list[Window]) -> tuple[Demand | None, str | None]:
             return max(w.finished_requests or 0, w.arrived_requests)
         return w.finished_requests or 0
 
-    return Demand(sum(arrived(w) / w.seconds for w in windows), max(tokens / finished, 1.0)), None
+    backlog = sum(w.waiting_requests or 0.0 for w in windows if saturated(w))
+    return Demand(sum(arrived(w) / w.seconds for w in windows), max(tokens / finished, 1.0), backlog=backlog,
+                  drain_seconds=drain_seconds(slo)), None
 
 
 def trend(history: Sequence[tuple[float, float]], ahead: float) -> float | None:
@@ -167,7 +191,7 @@ def planned(demand: Demand, history: Sequence[tuple[float, float]], ahead: float
     forecast = trend(history, ahead)
     if forecast is None or forecast <= demand.requests_per_second:
         return demand
-    return Demand(forecast, demand.tokens_per_request, demand.requests_per_second)
+    return replace(demand, requests_per_second=forecast, measured_requests_per_second=demand.requests_per_second)
 
 
 def in_flight(capacity: Capacity, rate: float, tokens_per_request: float) -> float | None:
@@ -183,7 +207,7 @@ def in_flight(capacity: Capacity, rate: float, tokens_per_request: float) -> flo
 
 def _predict(capacities: list[Capacity], demand: Demand, count: int) -> tuple[float, float | None] | None:
     """The worst revision's predicted p99s with `count` replicas, or None when one would saturate."""
-    rate = demand.requests_per_second * HEADROOM / count
+    rate = demand.sized_requests_per_second * HEADROOM / count
     loads = [in_flight(c, rate, demand.tokens_per_request) for c in capacities]
     if any(load is None for load in loads):
         return None
@@ -249,7 +273,7 @@ def decide(
 
     raw, met, itl, ttft = recommend(demand, capacities, slo, bounds)
     if raw < current:  # hysteresis: scale down only to a count that would also hold DOWN_TOLERANCE more demand
-        more = Demand(demand.requests_per_second * (1 + DOWN_TOLERANCE), demand.tokens_per_request)
+        more = replace(demand, requests_per_second=demand.requests_per_second * (1 + DOWN_TOLERANCE))
         raw = min(recommend(more, capacities, slo, bounds)[0], current)
     now = parse_time(timestamp(now))  # whole seconds, as the recommendations are stored: this one is at age 0
     window = max(autoscaling.scale_up_stabilization_seconds, autoscaling.scale_down_stabilization_seconds)
@@ -323,13 +347,17 @@ def tick(
     at = timestamp(now)
     serving = {w.revision for w in windows}
     observations = [o for o in status.observations if o.revision in serving]
+    # The window after a backlog still serves requests that waited in it: their times to first token measured
+    # the queue, not the replica at the load the window saw (its inter-token latencies did).
+    after_backlog = bool(status.backlog_requests)
     for w in windows:
         if w.missing is None and w.p99_inter_token_latency_ms is not None and w.in_flight_per_replica is not None \
                 and not saturated(w):
             observations.append(api.CapacityObservation(
                 revision=w.revision, at=at, in_flight_per_replica=w.in_flight_per_replica,
                 p99_inter_token_latency_ms=w.p99_inter_token_latency_ms,
-                p99_time_to_first_token_ms=w.p99_time_to_first_token_ms, ms_per_token=w.ms_per_token))
+                p99_time_to_first_token_ms=None if after_backlog else w.p99_time_to_first_token_ms,
+                ms_per_token=w.ms_per_token))
     kept = []
     for revision in serving:
         kept += [o for o in observations if o.revision == revision][-OBSERVATIONS:]
@@ -341,7 +369,7 @@ def tick(
         if model is not None:
             capacities.append(model)
 
-    measured, missing = demand_of(windows)
+    measured, missing = demand_of(windows, slo)
     now_s, demand = parse_time(at), None
     history = [p for p in status.demand_history if (now_s - parse_time(p.at)).total_seconds() < TREND_SECONDS]
     if measured is not None:
@@ -362,6 +390,7 @@ def tick(
         demand_requests_per_second=decision.demand.requests_per_second if decision.demand else None,
         demand_measured_requests_per_second=measured.requests_per_second if measured else None,
         demand_tokens_per_request=decision.demand.tokens_per_request if decision.demand else None,
+        backlog_requests=measured.backlog if measured else None,
         predicted_p99_inter_token_latency_ms=decision.predicted_p99_inter_token_latency_ms,
         predicted_p99_time_to_first_token_ms=decision.predicted_p99_time_to_first_token_ms,
         recommendations=[api.Recommendation(at=a, replicas=n) for a, n in decision.recommendations],

@@ -258,11 +258,11 @@ def parse_steps(text: str) -> list[int]:
 
 def build_rollout(args, candidate: LocalSpeculator) -> tuple[api.Rollout, api.Slo]:
     """The flags as the CR's rollout and SLO, through the API's own validation."""
-    analysis = _validated(api.Analysis, {
-        "intervalSeconds": args.interval_seconds, "minAcceptanceLength": args.min_acceptance_length,
-        "maxP99LatencyRatio": args.max_p99_latency_ratio, "minTokensPerDollarGain": args.min_tokens_per_dollar_gain,
-        "maxErrorRate": args.max_error_rate, "failureLimit": args.failure_limit,
-    }, ANALYSIS_FLAGS)
+    flags = {"intervalSeconds": args.interval_seconds, "minAcceptanceLength": args.min_acceptance_length,
+             "maxP99LatencyRatio": args.max_p99_latency_ratio, "minTokensPerDollarGain": args.min_tokens_per_dollar_gain,
+             "maxErrorRate": args.max_error_rate, "failureLimit": args.failure_limit}
+    # A gate left unset is the CRD's default, as in a SpeculativeServing that names no gate.
+    analysis = _validated(api.Analysis, {key: value for key, value in flags.items() if value is not None}, ANALYSIS_FLAGS)
     seconds = args.interval_seconds if args.step_seconds is None else args.step_seconds
     steps = [_validated(api.RolloutStep, {"weight": weight, "analysisSeconds": seconds},
                         {"weight": f"--steps: steps[{index}].weight", "analysisSeconds": "--step-seconds"})
@@ -600,7 +600,7 @@ def rollout_loop(plan: Plan, source, targets: list, seconds_left: float, analyse
                 say(f"measurement failed, this interval has no data: {exc}")
                 windows = [Window.no_data(target, seconds, f"measurement failed: {exc}").priced(pricing)
                            for target in targets]
-            report = analyse(windows[0], windows[1], rollout.analysis, plan.slo)
+            report = analyse(windows[0], windows[1], rollout.analysis, plan.slo, rollout.candidate.speculator.method)
             if on_windows is not None:
                 on_windows(now, windows)
         decision = decide(rollout, stable.revision, candidate.revision, canary, last_rollout, {}, report, now)
@@ -776,9 +776,14 @@ def add_rollout_flags(parser, defaults: dict | None = None) -> None:
     flag("--steps", default="25,50,100", help="candidate weights in percent, strictly increasing (default %(default)s)")
     flag("--step-seconds", type=int, help="each step's analysisSeconds (default: the interval)")
     flag("--interval-seconds", type=int, default=30, help="analysis interval, >= 10 (default %(default)s)")
-    flag("--min-acceptance-length", type=float, help="gate: candidate acceptance length at least this")
-    flag("--max-p99-latency-ratio", type=float, help="gate: candidate p99 ITL / stable's at most this")
-    flag("--min-tokens-per-dollar-gain", type=float, help="gate: candidate tokens/$ / stable's at least this")
+    analysis = api.Analysis()  # the CRD's defaults, which a flag left out keeps
+    flag("--min-acceptance-length", type=float,
+         help=f"gate: candidate acceptance length at least this (default: {api.DEFAULT_MIN_ACCEPTANCE_LENGTH} for a "
+              "speculating candidate)")
+    flag("--max-p99-latency-ratio", type=float,
+         help=f"gate: candidate p99 ITL / stable's at most this (default {analysis.max_p99_latency_ratio})")
+    flag("--min-tokens-per-dollar-gain", type=float,
+         help=f"gate: candidate tokens/$ / stable's at least this (default {analysis.min_tokens_per_dollar_gain})")
     flag("--max-error-rate", type=float, default=0.01, help="gate (default %(default)s)")
     flag("--failure-limit", type=int, default=2, help="failed analyses in a row that abort (default %(default)s)")
     flag("--slo-p99-itl-ms", type=float, help="SLO gate: candidate p99 inter-token latency")

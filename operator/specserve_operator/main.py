@@ -79,6 +79,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_):
     # Canary measurements: Prometheus when configured, else the runtime pods' /metrics directly.
     prometheus = os.environ.get("SPECSERVE_PROMETHEUS_URL", "").strip()
     memo.source = memo.get("source") or (PrometheusSource(prometheus) if prometheus else ScrapeSource())
+    # While Prometheus cannot be asked, the autoscaler measures the pods' /metrics directly.
+    memo.fallback = memo.get("fallback") or (ScrapeSource() if prometheus else None)
     memo.clock = memo.get("clock") or (lambda: datetime.datetime.now(datetime.timezone.utc))
     # kopf runs a resource's timers concurrently with its event handlers: one reconcile at a time per object.
     memo.locks = collections.defaultdict(threading.Lock)
@@ -103,7 +105,7 @@ def _reconcile_blocking(namespace: str, name: str, uid: str | None, memo: kopf.M
         body = cluster.get(api.API_VERSION, "SpeculativeServing", namespace, name)
         if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
             return None  # deleted meanwhile: the delete handler cleans up, nothing may be re-created
-        outcome = reconcile(cluster, body, memo.settings, memo.source, memo.clock())
+        outcome = reconcile(cluster, body, memo.settings, memo.source, memo.clock(), memo.fallback)
         version = (body.get("metadata") or {}).get("resourceVersion")
         try:
             cluster.patch_status(api.API_VERSION, "SpeculativeServing", namespace, name, outcome.status, version)

@@ -93,6 +93,7 @@ class Window:
     error_rate: float | None = None  # finished with reason abort or error / all finished
     in_flight_per_replica: float | None = None
     waiting_per_replica: float | None = None
+    waiting_requests: float | None = None  # queued beyond the batch at the window's end, all replicas: the backlog
     hourly_cost_usd: float | None = None
     tokens_per_dollar: float | None = None
     missing: str | None = None  # set: no data, and why
@@ -129,7 +130,8 @@ INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"
 TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"
 E2E_LATENCY = "vllm:e2e_request_latency_seconds"
 QUEUE_TIME = "vllm:request_queue_time_seconds"
-IN_SYSTEM = ("vllm:num_requests_running", "vllm:num_requests_waiting")  # gauges
+WAITING = "vllm:num_requests_waiting"  # a gauge: requests queued beyond the batch
+IN_SYSTEM = ("vllm:num_requests_running", WAITING)  # gauges
 # finished_reason values that count as errors; vLLM's others (stop, length, repetition) are requests served
 ERROR_REASONS = ("abort", "error")
 
@@ -304,6 +306,7 @@ def window_between(before: Snapshot, after: Snapshot, target: Target, seconds: f
         error_rate=sum(reasons.get(reason, 0.0) for reason in ERROR_REASONS) / finished if finished else None,
         in_flight_per_replica=little(E2E_LATENCY + "_sum"),
         waiting_per_replica=little(QUEUE_TIME + "_sum"),
+        waiting_requests=sum(values.get((WAITING, ""), 0.0) for values in after.pods.values()),
     )
 
 
@@ -335,6 +338,8 @@ class ScrapeSource:
     previous scrape of the same revision's pods. The window is the time actually elapsed between
     the two scrapes (not the requested `seconds`), so the first call per revision only records a
     baseline. Never raises: an unreachable pod is a window with no data naming the pod."""
+
+    name = "Pods"
 
     def __init__(self, fetch: Callable[[str], str] | None = None, clock: Callable[[], float] = time.monotonic,
                  timeout: float = 3):
@@ -412,6 +417,7 @@ def promql(target: Target, seconds: float) -> dict[str, str]:
         "in_system_change": " + ".join(f"sum(delta({gauge}{series}{w}))" for gauge in IN_SYSTEM),
         "in_flight_per_replica": little(E2E_LATENCY),
         "waiting_per_replica": little(QUEUE_TIME),
+        "waiting_requests": f"sum({WAITING}{series})",
     }
 
 
@@ -424,6 +430,8 @@ class PrometheusSource:
     raises MeasurementError. Credentials in the URL (http://user:password@host) are sent as
     basic auth and never appear in messages.
     """
+
+    name = "Prometheus"
 
     def __init__(self, url: str, timeout: float = 5):
         parts = urllib.parse.urlsplit(url.rstrip("/"))
@@ -475,6 +483,7 @@ class PrometheusSource:
             error_rate=failed / finished if finished else None,
             in_flight_per_replica=self.value(queries["in_flight_per_replica"]),
             waiting_per_replica=self.value(queries["waiting_per_replica"]),
+            waiting_requests=self.value(queries["waiting_requests"]),
         )
 
     def value(self, query: str) -> float | None:

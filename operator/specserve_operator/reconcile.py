@@ -86,9 +86,21 @@ def effective_slo(spec: api.SpeculativeServingSpec, profile: Profile) -> api.Slo
 
 
 def measure_interval(cluster: Cluster, source, serving: Serving, profile: Profile, revisions_: list[str],
-                     deployments: dict[str, dict], seconds: float) -> tuple[list[Window], str | None]:
-    """Each revision's window over the last `seconds`, and a measurement problem (Prometheus
-    unreachable) when there was one: then every window says 'no data'."""
+                     deployments: dict[str, dict], seconds: float, fallback=None) -> tuple[list[Window], str | None, str]:
+    """Each revision's window over the last `seconds`, a measurement problem (Prometheus unreachable) when there
+    was one, and what measured them: the source's name, or the `fallback`'s (the pods' /metrics) when the source
+    could not be asked, or "None": then every window says 'no data'."""
+    windows, problem = _measure(cluster, source, serving, profile, revisions_, deployments, seconds)
+    if problem is None:
+        return windows, None, source.name
+    if fallback is None:
+        return windows, problem, "None"
+    windows, _ = _measure(cluster, fallback, serving, profile, revisions_, deployments, seconds)
+    return windows, problem, fallback.name
+
+
+def _measure(cluster: Cluster, source, serving: Serving, profile: Profile, revisions_: list[str],
+             deployments: dict[str, dict], seconds: float) -> tuple[list[Window], str | None]:
     accelerator = profile.spec.accelerator
     pricing = Pricing(accelerator.count, accelerator.price_per_hour_usd)
     windows = []
@@ -142,8 +154,9 @@ def fleet_metrics(windows: list[Window]) -> dict | None:
 
 
 def autoscale_serving(cluster: Cluster, source, serving: Serving, profile: Profile, settings: Settings, old_status: dict,
-                      decision: Decision, deployments: dict[str, dict], now: datetime.datetime) -> Scaling:
-    """When autoscaling is on and an evaluation is due: measure every running revision, decide, record."""
+                      decision: Decision, deployments: dict[str, dict], now: datetime.datetime, fallback=None) -> Scaling:
+    """When autoscaling is on and an evaluation is due: measure every running revision (through `fallback`, the
+    pods' /metrics, while the source cannot be asked: load does not wait for Prometheus), decide, record."""
     spec = serving.spec
     previous = api.AutoscalingStatus.model_validate(old_status.get("autoscaling") or {})
     if not spec.autoscaling.enabled:
@@ -160,12 +173,12 @@ def autoscale_serving(cluster: Cluster, source, serving: Serving, profile: Profi
     running = [r for r in revisions(spec, current, Traffic(decision.stage, decision.weight)) if r.replicas > 0]
     serving_now = [name.removeprefix(f"{serving.name}-") for name, d in sorted(deployments.items()) if ready_replicas(d)]
     measured = [r.hash for r in running] + [h for h in serving_now if h not in {r.hash for r in running}]
-    windows, problem = measure_interval(cluster, source, serving, profile, measured, deployments,
-                                        settings.autoscale_interval_seconds)
+    windows, problem, measured_by = measure_interval(cluster, source, serving, profile, measured, deployments,
+                                                     settings.autoscale_interval_seconds, fallback)
     priors = {r.hash: settings.capacity_priors.get(r.speculator.method, ()) for r in running}
     status, scale = autoscale.tick(previous, windows, [r.hash for r in running], priors, spec, profile.spec, effective_slo(spec, profile), current,
                                    decision.stage == "Canary", now, settings.replica_startup_seconds)
-    status = status.model_copy(update={"last_evaluation_time": timestamp(now)})
+    status = status.model_copy(update={"last_evaluation_time": timestamp(now), "measured_by": measured_by})
     result = Scaling(scale.replicas, status, fleet_metrics(windows) or old_status.get("metrics"))
     if scale.replicas != current:
         result.events.append(Event("Normal", "Scaled", f"{current} -> {scale.replicas} replicas: {scale.reason}"))
@@ -174,7 +187,8 @@ def autoscale_serving(cluster: Cluster, source, serving: Serving, profile: Profi
     no_data = scale.recommended is None
     result.conditions["ScalingActive"] = (not no_data, "NoData" if no_data else "Measured", scale.reason if no_data else "")
     if problem:
-        result.events.append(Event("Warning", "MeasurementFailed", problem))
+        also = "; measured the pods' /metrics directly" if measured_by != "None" else ""
+        result.events.append(Event("Warning", "MeasurementFailed", problem + also))
     return result
 
 
@@ -251,9 +265,12 @@ def serving_status(serving: Serving, profile: Profile, old_status: dict, generat
     return status
 
 
-def reconcile(cluster: Cluster, body: dict, settings: Settings, source, now: datetime.datetime) -> Outcome:
+def reconcile(cluster: Cluster, body: dict, settings: Settings, source, now: datetime.datetime,
+              fallback=None) -> Outcome:
     """`body` must be the object as it is now (the caller re-reads it): a decision made on an older
-    body could undo what a newer one applied."""
+    body could undo what a newer one applied. `fallback` (the pods' /metrics, when `source` is Prometheus)
+    measures for the autoscaler while the source cannot be asked; a canary's analyses use the source alone:
+    a step's evidence comes from one place, and an outage holds the rollout (Inconclusive) until it ends."""
     meta, old_status = body.get("metadata") or {}, body.get("status") or {}
     generation, at = meta.get("generation"), timestamp(now)
     serving, problems = parse_serving(body)
@@ -281,9 +298,10 @@ def reconcile(cluster: Cluster, body: dict, settings: Settings, source, now: dat
     # total for the revisions that stage runs; rendering splits the total by the weight.
     outcome, problem = Outcome({}), None
     if spec.rollout is not None and analysis_due(spec.rollout, canary, candidate, now, last):
-        windows, problem = measure_interval(cluster, source, serving, profile, [stable_hash, candidate], deployments,
-                                            spec.rollout.analysis.interval_seconds)
-        outcome.report = analyse(windows[0], windows[1], spec.rollout.analysis, effective_slo(spec, profile))
+        windows, problem, _ = measure_interval(cluster, source, serving, profile, [stable_hash, candidate], deployments,
+                                               spec.rollout.analysis.interval_seconds)
+        outcome.report = analyse(windows[0], windows[1], spec.rollout.analysis, effective_slo(spec, profile),
+                                 spec.rollout.candidate.speculator.method)
     decision = decide(spec.rollout, stable_hash, candidate, canary, last, meta.get("annotations") or {}, outcome.report, now)
     if outcome.report is not None:  # an unreachable Prometheus is a condition and an Event, never a crash loop
         metrics = (problem is None, "MeasurementFailed" if problem else "Measured", problem or "")
@@ -291,7 +309,8 @@ def reconcile(cluster: Cluster, body: dict, settings: Settings, source, now: dat
         if problem:
             outcome.events.append(Event("Warning", "MeasurementFailed", problem))
 
-    scaling = autoscale_serving(cluster, source, serving, profile, settings, old_status, decision, deployments, now)
+    scaling = autoscale_serving(cluster, source, serving, profile, settings, old_status, decision, deployments, now,
+                                fallback)
     outcome.events += scaling.events
     canary_ready = ready_replicas(deployments.get(f"{serving.name}-{candidate}")) if candidate else None
     stable_ready = ready_replicas(deployments.get(f"{serving.name}-{stable_hash}"))

@@ -542,6 +542,7 @@ class Fleet:
             error_rate=b.errors / b.finished if b.finished else None,
             in_flight_per_replica=b.in_system / seconds / ready,
             waiting_per_replica=b.waiting / seconds / ready,
+            waiting_requests=float(sum(len(pod.waiting) for pod in self.live if pod.model.hash == revision)),
         )
 
     def measurement_noise(self) -> float:
@@ -683,6 +684,8 @@ class SimulatedPrometheus:
     it fails as an unreachable Prometheus does (MeasurementError), so the operator's own handling
     of that (an Event, condition MetricsAvailable, analysis Inconclusive, replicas held) runs."""
 
+    name = "Prometheus"
+
     def __init__(self, fleet: Fleet):
         self.fleet = fleet
         self.outage = False
@@ -691,6 +694,26 @@ class SimulatedPrometheus:
         if self.outage:
             raise MeasurementError("Prometheus unreachable (simulated prometheusOutage)")
         return self.fleet.window(target.revision, seconds, self.fleet.now)
+
+
+class SimulatedPods:
+    """measure.ScrapeSource's interface over the fleet: the pods' own /metrics, which a Prometheus outage does not
+    reach. As a ScrapeSource, it differences two scrapes: a revision's first scrape is a baseline (no window
+    yet), and each later window spans the time since its previous scrape."""
+
+    name = "Pods"
+
+    def __init__(self, fleet: Fleet):
+        self.fleet = fleet
+        self.previous: dict[str, float] = {}  # revision -> when it was last scraped
+
+    def measure(self, target: Target, seconds: float) -> Window:
+        now = self.fleet.now
+        last = self.previous.get(target.revision)
+        self.previous[target.revision] = now
+        if last is None:
+            return Window.no_data(target, seconds, "first scrape; a window needs two")
+        return self.fleet.window(target.revision, now - last, now)
 
 
 class Operator:
@@ -704,6 +727,7 @@ class Operator:
         once (its Deployment is the fleet's initial replicas); then the rollout is applied."""
         self.cluster = SimulatedCluster(fleet, scenario, scenario.serving.model_copy(update={"rollout": None}))
         self.source = SimulatedPrometheus(fleet)
+        self.pods = SimulatedPods(fleet)  # what the operator measures while Prometheus cannot be asked
         self.settings = Settings(autoscale_interval_seconds=scenario.tick_seconds,
                                  capacity_priors=capacity_priors(scenario.performance),
                                  replica_startup_seconds=scenario.startup_seconds)
@@ -715,7 +739,7 @@ class Operator:
     def tick(self, now_s: float, outage: bool) -> tuple[TickRecord, list[Event]]:
         self.source.outage = outage
         body = self.cluster.get(api.API_VERSION, "SpeculativeServing", NAMESPACE, SERVING)
-        outcome = reconcile(self.cluster, body, self.settings, self.source, at(now_s))
+        outcome = reconcile(self.cluster, body, self.settings, self.source, at(now_s), self.pods)
         if outcome.problems:  # scenario.load refuses such a serving before anything runs
             raise ScenarioError(outcome.problems)
         self.cluster.patch_status(outcome.status)
@@ -953,7 +977,7 @@ def simulate(scenario: Scenario, requests: list[Arrival], seed: int, controller=
 
 def summary(run: Run, scenario: Scenario) -> dict:
     fleet, slo = run.fleet, effective_slo(scenario.serving, Profile(scenario.serving.profile, scenario.profile))
-    met = 0
+    met = met_unlimited = unlimited = 0
     for record in run.ticks:
         itl, ttft, _, rejected = fleet.truth(record.t - scenario.tick_seconds, record.t)
         ok = rejected == 0
@@ -962,9 +986,14 @@ def summary(run: Run, scenario: Scenario) -> dict:
         if ok and ttft is not None and slo.p99_time_to_first_token_ms is not None:
             ok = ttft <= slo.p99_time_to_first_token_ms
         met += ok
+        if not record.budget_limited:
+            unlimited += 1
+            met_unlimited += ok
     cost, tokens = fleet.cost_usd(), fleet.generated_tokens()
     return {
         "sloAttainment": round(met / len(run.ticks), 4) if run.ticks else 1.0,
+        # the ticks whose fleet the budget did not cap: what the autoscaler's choices alone answer for
+        "sloAttainmentWithinBudget": round(met_unlimited / unlimited, 4) if unlimited else 1.0,
         "costUSD": round(cost, 4),
         "tokensPerDollar": round(tokens / cost, 1) if cost > 0 else None,
         "maxHourlyCostUSD": round(fleet.max_billed * fleet.pricing.replica_hourly_usd, 4),
@@ -1092,6 +1121,9 @@ def across_seeds(scenario: Scenario, seeds: int, out=None) -> dict:
         "seeds": seeds,
         "sloAttainment": {"min": min(r["sloAttainment"] for r in results),
                           "median": median_of([r["sloAttainment"] for r in results])},
+        "sloAttainmentWithinBudget": {"min": min(r["sloAttainmentWithinBudget"] for r in results),
+                                      "median": median_of([r["sloAttainmentWithinBudget"] for r in results])},
+        "budgetLimitedSeconds": {"max": max(r["budgetLimitedSeconds"] for r in results)},
         "costVsStaticPeak": median_of([r["costUSD"] / r["baselines"]["staticPeak"]["costUSD"] for r in results]),
         "tokensPerDollarVsInFlight": median_of([(r["tokensPerDollar"] or 0) / (r["baselines"]["inFlight"]["tokensPerDollar"] or 1)
                                                 for r in results]),

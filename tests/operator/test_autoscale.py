@@ -3,6 +3,7 @@ stabilisation, step limits, no flapping on noisy measurements, and state carried
 
 import datetime
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 
 from specserve_operator import api, autoscale
 from specserve_operator.autoscale import (
+    DEFAULT_DRAIN_SECONDS,
     HEADROOM, UTILISATION_LIMIT, Demand, Limits, decide, demand_of, in_flight, limits, max_step_down, max_step_up,
     prior_points, tick, trend,
 )
@@ -64,29 +66,29 @@ def test_requests_in_flight_follow_littles_law_on_the_mean_and_saturate():
 def test_demand_is_the_arrived_requests_and_their_tokens_over_every_revision():
     windows = [Window("a", 30, 2, generated_tokens=6000, finished_requests=60),
                Window("b", 30, 1, generated_tokens=3000, finished_requests=30)]
-    demand, missing = demand_of(windows)
+    demand, missing = demand_of(windows, api.Slo())
     assert missing is None and demand == Demand(3.0, 100.0)
-    assert demand_of([windows[0], Window.no_data(Target(None, "s", "b", 1), 30, "prometheus outage")]) == (
+    assert demand_of([windows[0], Window.no_data(Target(None, "s", "b", 1), 30, "prometheus outage")], api.Slo()) == (
         None, "b: prometheus outage")
-    assert demand_of([Window("a", 30, 2, generated_tokens=500, finished_requests=0)])[0] is None  # nothing finished
+    assert demand_of([Window("a", 30, 2, generated_tokens=500, finished_requests=0)], api.Slo())[0] is None  # nothing finished
     # a revision whose pods are all starting serves nothing: the others' windows are the demand
     starting = Window.no_data(Target(None, "s", "b", 0), 30, "no ready replicas")
-    assert demand_of([windows[0], starting]) == (Demand(2.0, 100.0), None)
-    assert demand_of([starting]) == (None, "b: no ready replicas")
+    assert demand_of([windows[0], starting], api.Slo()) == (Demand(2.0, 100.0), None)
+    assert demand_of([starting], api.Slo()) == (None, "b: no ready replicas")
     # saturated (most of the time in the system queued): a queue that grows, more arrived than
     # finished, and the arrivals are the demand
     growing = Window("a", 30, 2, generated_tokens=6000, finished_requests=60, arrived_requests=150,
                      in_flight_per_replica=40, waiting_per_replica=30)
-    assert demand_of([growing]) == (Demand(5.0, 100.0), None)
+    assert demand_of([growing], api.Slo()) == (Demand(5.0, 100.0), None)
     # a backlog that drains: fewer arrive than finish, and holding what finishes keeps the replicas
     # that drain it (what arrives now is not all the work there is)
     draining = Window("a", 30, 2, generated_tokens=6000, finished_requests=60, arrived_requests=15,
                       in_flight_per_replica=40, waiting_per_replica=30)
-    assert demand_of([draining]) == (Demand(2.0, 100.0), None)
+    assert demand_of([draining], api.Slo()) == (Demand(2.0, 100.0), None)
     # keeping up (no queue): what finished is the demand; the gauges' ends are noise
     keeping_up = Window("a", 30, 2, generated_tokens=6000, finished_requests=60, arrived_requests=66,
                         in_flight_per_replica=4, waiting_per_replica=0)
-    assert demand_of([keeping_up]) == (Demand(2.0, 100.0), None)
+    assert demand_of([keeping_up], api.Slo()) == (Demand(2.0, 100.0), None)
 
 
 def autoscaled_serving() -> tuple[api.SpeculativeServingSpec, api.ServingProfileSpec]:
@@ -149,6 +151,25 @@ def test_the_smallest_count_that_meets_the_slo_is_chosen():
     assert before is None or before > 40  # one fewer would break the SLO (or saturate)
     assert decision.recommended == n and "within the SLO" in decision.reason
     assert "24.00 req/s x 100 tokens" in decision.reason
+
+
+def test_a_backlog_is_sized_to_drain_within_the_time_to_first_token_then_the_demand_alone_sizes():
+    """A saturated window's queued requests (vllm:num_requests_waiting at its end) are served within the SLO's TTFT
+    on top of the demand; a window that keeps up carries no backlog, whatever its gauge says."""
+    slo = api.Slo(p99InterTokenLatencyMs=40, p99TimeToFirstTokenMs=2000)
+    queued = Window("a", 30, 2, generated_tokens=6000, finished_requests=60, arrived_requests=150,
+                    in_flight_per_replica=40, waiting_per_replica=30, waiting_requests=60)
+    demand, _ = demand_of([queued], slo)
+    assert (demand.requests_per_second, demand.backlog, demand.drain_seconds) == (5.0, 60, 2.0)
+    assert demand.sized_requests_per_second == 5.0 + 60 / 2.0
+    bounds = Limits(low=1, high=20, budget_cap=None, replica_hourly_usd=2.0)
+    with_backlog = decide(2, demand, [capacity()], slo, bounds, NO_WAIT, [], T0)
+    without = decide(2, replace(demand, backlog=0.0), [capacity()], slo, bounds, NO_WAIT, [], T0)
+    assert with_backlog.replicas > without.replicas
+    assert "a backlog of 60 requests drained within 2 s" in with_backlog.reason
+    keeping_up = replace(queued, waiting_per_replica=0.1, waiting_requests=3)
+    assert demand_of([keeping_up], slo)[0].backlog == 0.0
+    assert demand_of([queued], api.Slo())[0].drain_seconds == DEFAULT_DRAIN_SECONDS  # no TTFT in the SLO
 
 
 def test_the_budget_is_a_wall_and_says_so():

@@ -371,7 +371,8 @@ HAVE_PROMETHEUS = shutil.which("prometheus") is not None
 
 
 @pytest.mark.slow
-def test_an_untrained_drafter_is_aborted(prompts_file):
+def test_an_untrained_drafter_is_aborted_with_no_gate_named(prompts_file):
+    """No gate flags: the CRD's defaults (for a speculating candidate an acceptance floor of 1.2) decide."""
     failure_limit = 2
     # One draft per step and 40 s windows: on a shared 2-core CPU the untrained drafter's verify cost (seven
     # drafts by default) leaves fewer than analysis.MIN_GENERATED_TOKENS per 10 s window, every analysis
@@ -380,8 +381,7 @@ def test_an_untrained_drafter_is_aborted(prompts_file):
     result, stderr, seconds = run_canary(
         prompts_file, "--stable", "method=none",
         "--candidate", "method=dflash,draftModel=random,numSpeculativeTokens=1",
-        "--min-acceptance-length", "1.2", "--failure-limit", str(failure_limit), "--interval-seconds", "40",
-        "--steps", "50,100")
+        "--failure-limit", str(failure_limit), "--interval-seconds", "40", "--steps", "50,100")
     print(stderr, f"\n{seconds:.0f} s")
     assert result["decision"] == "Aborted", stderr[-3000:]
     assert result["prometheus"] is HAVE_PROMETHEUS
@@ -403,7 +403,7 @@ def test_an_untrained_drafter_is_aborted(prompts_file):
 @pytest.mark.slow
 def test_the_trained_eagle3_drafter_is_promoted(prompts_file):
     result, stderr, seconds = run_canary(
-        prompts_file, "--stable", "method=none", "--candidate", "method=eagle3", "--min-acceptance-length", "1.2",
+        prompts_file, "--stable", "method=none", "--candidate", "method=eagle3",
         # 30 s windows: a window needs analysis.MIN_GENERATED_TOKENS (100) from each runtime, which a 2-core
         # machine busy with other work (~4 tokens/s per runtime measured) does not reach in 15 s.
         "--steps", "50,100", "--interval-seconds", "30")

@@ -334,6 +334,7 @@ def test_window_between_two_scrapes_of_two_pods():
     assert window.in_flight_per_replica == pytest.approx(12.0 / 10 / 2)
     # and of that time 2 s queued beyond the batch (the gauges, sampled twice, play no part)
     assert window.waiting_per_replica == pytest.approx(2.0 / 10 / 2)
+    assert window.waiting_requests == 3  # the backlog: queued at the window's end, over the pods
     # the window's 100 new inter-token latencies: 99 in (0.025, 0.05], 1 in (0.2, 0.3]; rank 99 ends the first
     assert window.p99_inter_token_latency_ms == pytest.approx(50.0)
     # 4 first tokens in (0.04, 0.06]: rank 3.96 of 4
@@ -490,6 +491,8 @@ def test_promql_selects_one_revision():
         ' + sum(delta(vllm:num_requests_waiting{namespace="team-a",serving="qwen",revision="abc123"}[60s]))')
     assert queries["waiting_per_replica"] == ('sum(increase(vllm:request_queue_time_seconds_sum{namespace="team-a",'
                                               'serving="qwen",revision="abc123"}[60s])) / 60 / 3')
+    assert queries["waiting_requests"] == 'sum(vllm:num_requests_waiting{namespace="team-a",serving="qwen",revision="abc123"})'
+
 
 
 def test_prometheus_source_reads_each_number(canned):
@@ -509,6 +512,7 @@ def test_prometheus_source_reads_each_number(canned):
         "in_flight_per_replica": vector(({}, "3.5")),
         "waiting_per_replica": vector(({}, "0.25")),
         "in_system_change": vector(({}, "-4")),
+        "waiting_requests": vector(({}, "7")),
     }.items()})
     window = PrometheusSource(canned.url).measure(t, 60)
     assert window.missing is None
@@ -521,6 +525,7 @@ def test_prometheus_source_reads_each_number(canned):
     assert (window.finished_requests, window.error_rate, window.in_flight_per_replica) == (50, 0.02, 3.5)
     assert window.waiting_per_replica == 0.25
     assert window.arrived_requests == 46  # a queue of 4 drained: 50 finished
+    assert window.waiting_requests == 7
 
 
 def test_prometheus_source_too_few_samples_is_no_data(canned):

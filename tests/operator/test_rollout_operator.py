@@ -27,6 +27,8 @@ UNTRAINED = {**GOOD, "acceptance_length": 1.05, "tokens_per_second": 150.0, "p99
 class ScriptedSource:
     """Windows by revision: the stable's numbers unless the test scripted the revision; or an outage."""
 
+    name = "Prometheus"
+
     def __init__(self):
         self.by_revision: dict[str, dict] = {}
         self.outage = False

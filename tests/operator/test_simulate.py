@@ -14,9 +14,10 @@ from specserve_runtime.cli import main
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "docs" / "scenarios"
 SHIPPED = sorted(path.stem for path in SCENARIOS.glob("*.yaml"))
-SUMMARY_KEYS = {"sloAttainment", "costUSD", "tokensPerDollar", "maxHourlyCostUSD", "budgetLimitedSeconds",
-                "generatedTokens", "failedRequests"}
+SUMMARY_KEYS = {"sloAttainment", "sloAttainmentWithinBudget", "costUSD", "tokensPerDollar", "maxHourlyCostUSD",
+                "budgetLimitedSeconds", "generatedTokens", "failedRequests"}
 _results: dict[str, dict] = {}
+_five_seeds: dict[str, dict] = {}
 
 
 def run(*argv: str) -> tuple[int, str, str]:
@@ -33,6 +34,15 @@ def result_of(name: str) -> dict:
         assert code == 0, err
         _results[name] = json.loads(out.strip().splitlines()[-1])
     return _results[name]
+
+
+def five_seeds_of(name: str) -> dict:
+    """The aggregate JSON of a shipped scenario over seeds 1..5 (each simulated once per test session)."""
+    if name not in _five_seeds:
+        code, out, err = run("--scenario", str(SCENARIOS / f"{name}.yaml"), "--seeds", "5")
+        assert code == 0, err
+        _five_seeds[name] = json.loads(out.strip().splitlines()[-1])
+    return _five_seeds[name]
 
 
 def document(name: str) -> dict:
@@ -111,6 +121,67 @@ def test_nothing_is_promoted_during_the_fault_and_no_step_is_lost(name):
     (fault,) = document(name)["faults"]
     assert result["decision"] == "Promoted"  # the rollout still completes
     assert result["decisionAtSeconds"] >= fault["atSeconds"] + fault["durationSeconds"]
+
+
+FASTER_CANDIDATE = ["diurnal-2h-faster-candidate", "diurnal-2h-prometheus-outage", "diurnal-2h-operator-restart"]
+
+
+@pytest.mark.parametrize("name", FASTER_CANDIDATE)
+def test_a_faster_candidate_is_promoted_in_every_seed_at_less_cost_while_the_slo_holds(name):
+    """Two hours of a day, a DFlash candidate faster than the EAGLE-3 stable at its first step of 10%, a rollout
+    that names no gate: compared at the same arrivals per replica (it holds fewer requests in flight: that is its
+    speed), it is promoted in every seed, never inside a fault, the SLO held outside the budget's cap."""
+    result = five_seeds_of(name)
+    assert result["decisions"] == {"Promoted": 5}, result
+    for fault in document(name)["faults"]:
+        assert result["decisionAtSeconds"]["min"] >= fault["atSeconds"] + fault["durationSeconds"]
+    assert result["sloAttainmentWithinBudget"]["min"] >= 0.99, result
+    assert result["costVsStaticPeak"] <= 0.70 and result["tokensPerDollarVsInFlight"] >= 1.15, result
+
+
+def test_a_slower_candidate_is_aborted_in_every_seed_by_its_gates_and_by_the_defaults(tmp_path):
+    assert five_seeds_of("dflash-loses-at-high-concurrency")["decisions"] == {"Aborted": 5}
+    doc = document("dflash-loses-at-high-concurrency")
+    doc["serving"]["rollout"]["analysis"] = {"intervalSeconds": 60}  # no gate named
+    code, out, err = run("--scenario", str(write(tmp_path, doc)), "--seeds", "5")
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["decisions"] == {"Aborted": 5}
+
+
+def test_a_cold_start_under_load_drains_its_backlog_within_the_budget():
+    """From one replica under 18 requests/s: the queue built while replicas start is sized for (drained within the
+    SLO's time to first token, up to the budget), so the SLO holds whenever the budget does not cap the fleet."""
+    result = five_seeds_of("cold-start-under-load")
+    assert result["sloAttainmentWithinBudget"]["min"] >= 0.99 and result["budgetLimitedSeconds"]["max"] <= 600, result
+    scenario = scenario_module.Scenario.model_validate(document("cold-start-under-load"))
+    ticks = simulate.simulate(scenario, simulate.arrivals(scenario, 1), 1).ticks
+    assert max(sum(t.desired.values()) for t in ticks if t.t <= 60) == 12  # the budget's cap, within a minute
+    assert max(sum(t.desired.values()) for t in ticks if t.t >= 1800) <= 5  # then what 18 requests/s need
+
+
+def test_during_an_outage_the_autoscaler_measures_the_pods_and_the_rollout_holds(monkeypatch):
+    """Prometheus cannot be asked: the canary's analyses are Inconclusive (a step's evidence comes from one
+    source), while the autoscaler scales the rising load on windows from the pods' own /metrics, and says so."""
+    scenario = scenario_module.Scenario.model_validate(document("diurnal-2h-prometheus-outage"))
+    measured_by, events = {}, []
+    original = simulate.Operator.tick
+
+    def spy(self, now_s, outage):
+        record, tick_events = original(self, now_s, outage)
+        measured_by[now_s] = (self.cluster.status().get("autoscaling") or {}).get("measuredBy")
+        events.extend((now_s, e) for e in tick_events)
+        return record, tick_events
+
+    monkeypatch.setattr(simulate.Operator, "tick", spy)
+    simulate.simulate(scenario, simulate.arrivals(scenario, 1), 1)
+    (fault,) = scenario.faults
+    inside = [t for t in measured_by if fault.at_seconds < t < fault.at_seconds + fault.duration_seconds]
+    assert {measured_by[t] for t in inside[1:]} == {"Pods"}  # the first scrape is a baseline
+    assert {measured_by[t] for t in measured_by if t < fault.at_seconds} == {"Prometheus"}
+    assert any(e.reason == "Scaled" for t, e in events if t in inside[1:])  # the load rose: it scaled
+    failed = [e.message for t, e in events if t in inside and e.reason == "MeasurementFailed"]
+    assert failed and all("Prometheus unreachable" in m for m in failed)
+    assert any(m.endswith("measured the pods' /metrics directly") for m in failed)
 
 
 def test_prometheus_outage_makes_the_analysis_inconclusive_until_it_ends(monkeypatch):
