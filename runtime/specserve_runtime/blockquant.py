@@ -271,8 +271,8 @@ def kernel_name() -> str | None:
 
 
 def declare(kernels: ctypes.CDLL) -> ctypes.CDLL:
-    """The entry points' argument and result types, set on a loaded build of the kernels (also another build of
-    them, which docs/experiments compare with this one)."""
+    """The entry points' argument and result types, set on a loaded build of the kernels (this one's, or another
+    build of the same sources)."""
     kernels.blockquant_best_isa.restype = ctypes.c_int
     kernels.blockquant_linear.restype = ctypes.c_int
     kernels.blockquant_linear.argtypes = [

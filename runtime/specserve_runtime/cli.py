@@ -10,12 +10,12 @@ from pathlib import Path
 from .config import DEFAULT_MAX_NUM_SEQS, DEFAULT_TOKEN_BUDGET
 
 METHODS = ("ar", "ngram", "eagle3", "dflash")
-# The distilled data the bundled drafters were trained and judged on, committed in runtime/data/
-# (docs/training.md): there in a source checkout, not in the installed package or the images.
-COMMITTED_DATA = Path(__file__).resolve().parents[1] / "data"
-DEFAULT_TRAIN_DATA, DEFAULT_EVAL_DATA = COMMITTED_DATA / "distill-v2", COMMITTED_DATA / "distill-v2-eval"
-EVAL_DATA_HELP = ("distilled held-out data (default: set v2's held-out split, runtime/data/distill-v2-eval "
-                  "in a source checkout)")
+# The distilled data the bundled drafters were trained and judged on: built into the cache by the commands its
+# manifest lists (training/data/distilled.json: files, sizes, checksums; docs/training.md).
+DISTILLED_MANIFEST = Path(__file__).parent / "training" / "data" / "distilled.json"
+DEFAULT_TRAIN_DATA, DEFAULT_EVAL_DATA = "distill-v2", "distill-v2-eval"
+EVAL_DATA_HELP = ("distilled held-out data (default: set v2's held-out split, SPECSERVE_CACHE/data/distill-v2-eval, "
+                  "built as training/data/distilled.json says)")
 DRAFT_TREE_HELP = ("dflash, eagle3: verify a tree of the drafter's most likely continuations, --num-speculative-tokens "
                    "drafts in all, instead of a chain of its top guesses")
 OPERATING_POINT_HELP = (DRAFT_TREE_HELP + "; --no-draft-tree: a chain (default: the drafter's recorded operating "
@@ -181,20 +181,25 @@ def _given(args, names: tuple[str, ...]) -> dict:
 
 
 def _training_data(args) -> tuple[str, str]:
-    data = args.data or _committed("--data", DEFAULT_TRAIN_DATA)
+    data = args.data or _default_data("--data", DEFAULT_TRAIN_DATA)
     for folder in data.split(","):
         _distilled_folder("--data", folder)
     return data, _eval_data(args)
 
 
 def _eval_data(args) -> str:
-    return _distilled_folder("--eval-data", args.eval_data or _committed("--eval-data", DEFAULT_EVAL_DATA))
+    return _distilled_folder("--eval-data", args.eval_data or _default_data("--eval-data", DEFAULT_EVAL_DATA))
 
 
-def _committed(flag: str, folder: Path) -> str:
+def _default_data(flag: str, name: str) -> str:
+    """The cache's folder of a distilled data set the manifest lists; not built, the commands that build it."""
+    from .store import cache_root
+
+    folder = cache_root() / "data" / name
     if not folder.is_dir():
-        raise UsageError(f"{flag} not given, and its default {folder} (set v2, committed in specserve's source "
-                         f"tree) is not here: pass {flag} with a folder written by `specserve distill`")
+        commands = json.loads(DISTILLED_MANIFEST.read_text())["datasets"][name]["commands"]
+        raise UsageError(f"{flag} not given, and its default {folder} is not built: {' && '.join(commands)} "
+                         f"(docs/training.md), or pass {flag} with a folder written by `specserve distill`")
     return str(folder)
 
 
@@ -624,7 +629,8 @@ def build_parser() -> Parser:
         parser.add_argument("--out", required=True, help=out_help)
         parser.add_argument("--model", default=DEFAULT_MODEL)
         parser.add_argument("--data", help="distilled training data, one folder or several joined by commas "
-                            "(default: set v2's train split, runtime/data/distill-v2 in a source checkout)")
+                            "(default: set v2's train split, SPECSERVE_CACHE/data/distill-v2, built as "
+                            "training/data/distilled.json says)")
         parser.add_argument("--eval-data", help=EVAL_DATA_HELP)
         for flag, kind in (("--lr", float), ("--seed", int), ("--anchors", int), ("--gamma", float),
                            ("--draft-vocab-size", int)) + flags:

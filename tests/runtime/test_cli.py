@@ -87,21 +87,44 @@ def test_eval_drafter_names_a_missing_held_out_folder(capsys, tmp_path):
     assert f"--eval-data {tmp_path / 'absent'}: no such folder (run `specserve distill` first)" in message
 
 
-def test_training_data_defaults_to_the_committed_set_v2(capsys):
-    # In a checkout the defaults are there: the command gets past them to its next check.
-    assert (cli.DEFAULT_TRAIN_DATA / "distill.json").is_file() and (cli.DEFAULT_EVAL_DATA / "distill.json").is_file()
+def test_training_data_defaults_to_set_v2_in_the_cache(capsys, tmp_path, monkeypatch):
+    # Built (as the manifest's commands build it), the defaults are there: the command gets past them to its next check.
+    from specserve_runtime.store import default_model_dir
+
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / default_model_dir().name).symlink_to(default_model_dir())
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    (tmp_path / "data" / cli.DEFAULT_EVAL_DATA).mkdir(parents=True)
     message = error_of(capsys, "eval-drafter", "--method", "dflash", "--drafts", "8")
     assert "--drafts 8: a DFlash block of 8" in message
 
 
-def test_missing_default_training_data_says_what_to_pass(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr(cli, "DEFAULT_EVAL_DATA", tmp_path / "distill-v2-eval")  # an installed package: no data
+def test_missing_default_training_data_says_how_to_build_it(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
     message = error_of(capsys, "eval-drafter", "--method", "dflash")
-    assert f"--eval-data not given, and its default {tmp_path / 'distill-v2-eval'}" in message
+    assert f"--eval-data not given, and its default {tmp_path / 'data' / 'distill-v2-eval'} is not built: " \
+           "specserve build-prompts && SPECSERVE_TARGET_INT8=0 specserve distill" in message
     assert "pass --eval-data with a folder written by `specserve distill`" in message
-    monkeypatch.setattr(cli, "DEFAULT_TRAIN_DATA", tmp_path / "distill-v2")
     message = error_of(capsys, "train-drafter", "--method", "dflash", "--out", str(tmp_path / "run"))
-    assert f"--data not given, and its default {tmp_path / 'distill-v2'}" in message
+    assert f"--data not given, and its default {tmp_path / 'data' / 'distill-v2'} is not built" in message
+
+
+def test_the_data_manifest_lists_every_file_and_commands_the_cli_takes():
+    """training/data/distilled.json: what the bundled drafters were trained on, and how to build it again."""
+    import json
+    import shlex
+
+    manifest = json.loads(cli.DISTILLED_MANIFEST.read_text())
+    assert {cli.DEFAULT_TRAIN_DATA, cli.DEFAULT_EVAL_DATA} <= set(manifest["datasets"])
+    for name, dataset in manifest["datasets"].items():
+        assert dataset["records"] == sum(f["records"] for f in dataset["files"].values()) > 0
+        assert all(len(f["sha256"]) == 64 and f["bytes"] > 0 for f in dataset["files"].values())
+        assert any(f"--out ~/.cache/specserve/data/{name} " in command for command in dataset["commands"])
+        for command in dataset["commands"]:
+            words = [word for word in shlex.split(command) if "=" not in word or word.startswith("-")]
+            assert words[0] == "specserve"
+            expanded = [word.replace("~", "/home/user") for word in words[1:]]
+            cli.build_parser().parse_args(expanded)  # every flag is one the command takes
 
 
 def test_eval_drafter_refuses_more_drafts_than_the_block_holds(capsys, tmp_path):
