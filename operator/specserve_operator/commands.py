@@ -1,4 +1,5 @@
-"""`specserve render`, `specserve operator`, `specserve crds`, `specserve rbac`."""
+"""`specserve render`, `specserve operator`, `specserve crds`, `specserve rbac`: the commands of the operator
+itself. The local tools (canary, demo, simulate, bench-operator) are in `local/`."""
 
 import sys
 from pathlib import Path
@@ -143,16 +144,6 @@ def cmd_operator(args) -> int:
     return 0
 
 
-def cmd_bench_operator(args) -> int:
-    from .bench import report, run
-
-    if args.servings < 1:
-        print("specserve bench-operator: --servings must be >= 1", file=sys.stderr)
-        return 2
-    print(report(run(args.servings)))
-    return 0
-
-
 def add_commands(commands) -> None:
     render = commands.add_parser("render", help="print every object the operator would create for a file")
     render.add_argument("-f", "--file", required=True, help="YAML with SpeculativeServings (and ServingProfiles, Namespaces)")
@@ -171,21 +162,5 @@ def add_commands(commands) -> None:
     crds.add_argument("--reference", metavar="FILE", help="write the field reference (Markdown) rendered from the CRDs")
     crds.set_defaults(run=cmd_crds)
 
-    bench = commands.add_parser("bench-operator", help="reconcile N SpeculativeServings against KMock; time and API calls")
-    bench.add_argument("--servings", type=int, default=500)
-    bench.set_defaults(run=cmd_bench_operator)
-
     rbac = commands.add_parser("rbac", help="print the operator's least-privilege ClusterRole")
     rbac.set_defaults(run=cmd_rbac)
-
-    from .canary import add_canary_command
-
-    add_canary_command(commands)
-
-    from .demo import add_demo_command
-
-    add_demo_command(commands)
-
-    from .simulate import add_simulate_command
-
-    add_simulate_command(commands)

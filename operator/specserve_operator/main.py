@@ -17,7 +17,7 @@ from .apply import Cluster
 from .measure import PrometheusSource, ScrapeSource
 from .reconcile import Outcome, cleanup, reconcile
 from .render import Settings
-from .scenario import load_capacity_priors
+from .priors import load_capacity_priors
 from .validate import InputProblems
 
 

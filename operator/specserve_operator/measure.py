@@ -44,7 +44,9 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from prometheus_client.parser import text_string_to_metric_families
+from specserve_runtime.metric_names import (ACCEPTED, ACCEPTED_PER_POSITION, DRAFTS, E2E_LATENCY, ERROR_REASONS,
+                                            GENERATION_TOKENS, IN_SYSTEM, INTER_TOKEN_LATENCY, KEY_LABEL, QUEUE_TIME,
+                                            REQUEST_SUCCESS, TIME_TO_FIRST_TOKEN, WAITING, Key, parse_metrics)
 
 
 @dataclass(frozen=True)
@@ -120,39 +122,6 @@ class Window:
         return replace(self, hourly_cost_usd=hourly, tokens_per_dollar=per_dollar)
 
 
-# The runtime's metric names (vLLM's; see runtime/specserve_runtime/metrics.py).
-GENERATION_TOKENS = "vllm:generation_tokens_total"
-DRAFTS = "vllm:spec_decode_num_drafts_total"
-ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
-ACCEPTED_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
-REQUEST_SUCCESS = "vllm:request_success_total"
-INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"
-TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"
-E2E_LATENCY = "vllm:e2e_request_latency_seconds"
-QUEUE_TIME = "vllm:request_queue_time_seconds"
-WAITING = "vllm:num_requests_waiting"  # a gauge: requests queued beyond the batch
-IN_SYSTEM = ("vllm:num_requests_running", WAITING)  # gauges
-# finished_reason values that count as errors; vLLM's others (stop, length, repetition) are requests served
-ERROR_REASONS = ("abort", "error")
-
-# The samples a window needs, each with the one label that tells its series apart; every other
-# label (model_name, engine) is summed away.
-KEY_LABEL = {
-    GENERATION_TOKENS: "",
-    DRAFTS: "",
-    ACCEPTED: "",
-    ACCEPTED_PER_POSITION: "position",
-    REQUEST_SUCCESS: "finished_reason",
-    INTER_TOKEN_LATENCY + "_bucket": "le",
-    TIME_TO_FIRST_TOKEN + "_bucket": "le",
-    E2E_LATENCY + "_sum": "",
-    QUEUE_TIME + "_sum": "",
-    **{gauge: "" for gauge in IN_SYSTEM},
-}
-
-Key = tuple[str, str]  # (sample name, value of its KEY_LABEL or "")
-
-
 class MeasurementError(Exception):
     """The source could not be asked at all (Prometheus unreachable, an HTTP error, a bad answer).
 
@@ -215,19 +184,6 @@ def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | 
 
 
 # ----- the pure core: two scrapes of a revision's pods -> Window -----------------------------------
-
-
-def parse_metrics(text: str) -> dict[Key, float]:
-    """The samples a window needs from one pod's /metrics text (Prometheus text format)."""
-    values: dict[Key, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            label = KEY_LABEL.get(sample.name)
-            if label is None:
-                continue
-            key = (sample.name, sample.labels.get(label, "") if label else "")
-            values[key] = values.get(key, 0.0) + sample.value
-    return values
 
 
 @dataclass(frozen=True)

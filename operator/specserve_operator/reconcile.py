@@ -12,12 +12,13 @@ from dataclasses import dataclass, field, replace
 from specserve_runtime.config import DEFAULT_PORT
 
 from . import api, autoscale
-from .analysis import Report, analyse
+from .analysis import Report
 from .apply import CHILD_KINDS, Cluster
 from .measure import MeasurementError, Pricing, ScrapeSource, Target, Window
 from .render import (Profile, Serving, Settings, Traffic, candidate_hash, planned_revisions, pods_to_keep, render_all,
                      replica_budget, replica_ceiling, replica_room, revision_hash, revisions)
-from .rollout import Decision, Event, analysis_due, decide, parse_time, timestamp
+from .rollout import Decision, Event, parse_time, timestamp
+from .rollout import tick as rollout_tick
 from .validate import check_against_profile, parse_profile, parse_serving
 
 REVISION_SCOPED = {("v1", "ConfigMap"), ("apps/v1", "Deployment")}
@@ -296,13 +297,17 @@ def reconcile(cluster: Cluster, body: dict, settings: Settings, source, now: dat
 
     # The order of the decisions: the rollout decides the stage and weight; the autoscaler sizes the
     # total for the revisions that stage runs; rendering splits the total by the weight.
-    outcome, problem = Outcome({}), None
-    if spec.rollout is not None and analysis_due(spec.rollout, canary, candidate, now, last):
-        windows, problem, _ = measure_interval(cluster, source, serving, profile, [stable_hash, candidate], deployments,
+    outcome, problems_seen = Outcome({}), []
+
+    def measure(revisions_: list[str]) -> list[Window]:
+        windows, problem, _ = measure_interval(cluster, source, serving, profile, revisions_, deployments,
                                                spec.rollout.analysis.interval_seconds)
-        outcome.report = analyse(windows[0], windows[1], spec.rollout.analysis, effective_slo(spec, profile),
-                                 spec.rollout.candidate.speculator.method)
-    decision = decide(spec.rollout, stable_hash, candidate, canary, last, meta.get("annotations") or {}, outcome.report, now)
+        problems_seen.append(problem)
+        return windows
+
+    decision, outcome.report = rollout_tick(spec.rollout, stable_hash, candidate, canary, last,
+                                            meta.get("annotations") or {}, effective_slo(spec, profile), now, measure)
+    problem = problems_seen[0] if problems_seen else None
     if outcome.report is not None:  # an unreachable Prometheus is a condition and an Event, never a crash loop
         metrics = (problem is None, "MeasurementFailed" if problem else "Measured", problem or "")
         decision = replace(decision, conditions={**decision.conditions, "MetricsAvailable": metrics})

@@ -29,11 +29,13 @@ The annotations the decision acted on are returned, so the caller removes them.
 """
 
 import datetime
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
 from . import api
-from .analysis import Report
+from .analysis import Report, analyse
+from .measure import Window
 
 PROMOTE, ABORT, RETRY = "specserve.io/promote", "specserve.io/abort", "specserve.io/retry"
 INCONCLUSIVE_LIMIT = 3  # consecutive inconclusive analyses before the AnalysisInconclusive condition
@@ -236,3 +238,25 @@ def decide(
         "AnalysisInconclusive": (stuck, "NoDecision" if stuck else "Deciding", _numbers(canary) if stuck else ""),
     }
     return Decision("Canary", canary.weight, canary, last_rollout, events, conditions, consumed)
+
+
+def tick(
+    rollout: api.Rollout | None,
+    stable_revision: str,
+    candidate_revision: str | None,
+    canary: api.CanaryStatus | None,
+    last_rollout: api.RolloutRecord | None,
+    annotations: dict,
+    slo: api.Slo,
+    now: datetime.datetime,
+    measure: Callable[[list[str]], list[Window]],
+) -> tuple[Decision, Report | None]:
+    """One decision tick, as the operator (reconcile.py), `specserve canary` / `demo` and `specserve simulate` all
+    run it, with only `measure` (the two revisions' windows over the last interval) different: when an analysis is
+    due, measure and analyse the revisions; then decide the next state."""
+    report = None
+    if rollout is not None and candidate_revision is not None \
+            and analysis_due(rollout, canary, candidate_revision, now, last_rollout):
+        stable, candidate = measure([stable_revision, candidate_revision])
+        report = analyse(stable, candidate, rollout.analysis, slo, rollout.candidate.speculator.method)
+    return decide(rollout, stable_revision, candidate_revision, canary, last_rollout, annotations, report, now), report

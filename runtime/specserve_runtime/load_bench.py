@@ -28,7 +28,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .bench import markdown_table, method_spec, scenario_method
-from .processes import READY_SECONDS, free_port, running
+from .cmdline import READY_SECONDS, free_port, running
+from .metric_names import ACCEPTED, DRAFTS, parse_metrics
 
 
 @dataclass
@@ -128,8 +129,6 @@ async def run_level(url: str, model: str, prompts: list[str], concurrency: int, 
 
 def acceptance_length(metrics_text: str) -> float:
     """1 + accepted / drafts from a /metrics page (vLLM's names, parsed as the operator parses them)."""
-    from specserve_operator.measure import ACCEPTED, DRAFTS, parse_metrics
-
     values = parse_metrics(metrics_text)
     drafts = values.get((DRAFTS, ""), 0.0)
     return 1 + values.get((ACCEPTED, ""), 0.0) / drafts if drafts else 1.0
@@ -187,7 +186,7 @@ def measure_servers(urls: dict[str, str], prompts: list[str], concurrencies: lis
 @contextlib.contextmanager
 def local_server(method: str, model: str, max_num_seqs: int, extra: list[str]) -> Iterator[str]:
     """`specserve serve` for one method on a free loopback port, for the `with` block: its base URL once ready,
-    then stopped (processes.running: its log's last lines name why if it fails)."""
+    then stopped (cmdline.running: its log's last lines name why if it fails)."""
     port = free_port()
     command = [sys.executable, "-m", "specserve_runtime.cli", "serve", "--model", model, "--host", "127.0.0.1",
                "--port", str(port), "--max-num-seqs", str(max_num_seqs), "--max-concurrency", str(2 * max_num_seqs),

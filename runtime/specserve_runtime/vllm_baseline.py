@@ -18,9 +18,9 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from .cmdline import LOOPBACK, READY_SECONDS, free_port, running
 from .config import DEFAULT_DRAFTER_NAMES, RuntimeConfig
 from .launch import vllm_program
-from .processes import LOOPBACK, READY_SECONDS, free_port, running
 
 SERVED_NAME = "bench"
 KV_CACHE_BYTES = 512 << 20  # one sequence of a few thousand tokens, with room to spare

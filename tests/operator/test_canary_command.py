@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from specserve_operator import canary
-from specserve_runtime.cli import main
+from specserve_operator.local import canary, canary_plan
+from specserve.cli import main
 
 # Varied (math, code, advice), and each one the bundled EAGLE-3 drafter drafts well for (acceptance length
 # 1.4 to 2.5 at 48 tokens), so that every 15 s window of its canary clears the 1.2 gate.
@@ -99,34 +99,34 @@ def test_spec_file_and_inline_give_the_same_speculator_and_revision(tmp_path):
     drafter.mkdir()
     spec = tmp_path / "candidate.yaml"
     spec.write_text(f"method: dflash\ndraftModel: {drafter}\nnumSpeculativeTokens: 3\n")
-    from_file = canary.parse_speculator(str(spec), "--candidate")
-    inline = canary.parse_speculator(f"method=dflash,draftModel={drafter},numSpeculativeTokens=3", "--candidate")
+    from_file = canary_plan.parse_speculator(str(spec), "--candidate")
+    inline = canary_plan.parse_speculator(f"method=dflash,draftModel={drafter},numSpeculativeTokens=3", "--candidate")
     assert from_file == inline == canary.LocalSpeculator("dflash", str(drafter.resolve()), 3)
     config = from_file.runtime_config("SmolLM2-135M-Instruct", 8123, ["--dtype", "float32"])
     assert (config.method, config.drafter, config.num_speculative_tokens, config.engine, config.engine_args,
             config.host, config.port) == ("dflash", str(drafter.resolve()), 3, "embedded", [], "127.0.0.1", 8123)
-    assert len(from_file.revision) == 8 and from_file.revision != canary.parse_speculator("method=dflash", "-").revision
-    plain = canary.parse_speculator("method=none", "--stable").runtime_config("m", 1, [])
+    assert len(from_file.revision) == 8 and from_file.revision != canary_plan.parse_speculator("method=dflash", "-").revision
+    plain = canary_plan.parse_speculator("method=none", "--stable").runtime_config("m", 1, [])
     assert (plain.method, plain.drafter) == ("none", None)
-    bundled = canary.parse_speculator("method=eagle3", "--c")
+    bundled = canary_plan.parse_speculator("method=eagle3", "--c")
     assert bundled.api_speculator().draft_model == "pvc://local/bundled"
     assert bundled.runtime_config("m", 1, []).drafter == "bundled://smollm2-135m-instruct-eagle3"
-    tree = canary.parse_speculator("method=dflash,numSpeculativeTokens=6,draftTree=true", "--candidate")
+    tree = canary_plan.parse_speculator("method=dflash,numSpeculativeTokens=6,draftTree=true", "--candidate")
     assert (tree.runtime_config("m", 1, []).num_speculative_tokens, tree.runtime_config("m", 1, []).draft_tree) == (6, True)
-    assert tree.api_speculator().draft_tree is True and tree.revision != canary.parse_speculator(
+    assert tree.api_speculator().draft_tree is True and tree.revision != canary_plan.parse_speculator(
         "method=dflash,numSpeculativeTokens=6", "-").revision
-    assert canary.parse_speculator("method=dflash,draftTree=False", "-").runtime_config("m", 1, []).draft_tree is False
-    copies = canary.parse_speculator("method=dflash,promptLookup=4", "--candidate")
+    assert canary_plan.parse_speculator("method=dflash,draftTree=False", "-").runtime_config("m", 1, []).draft_tree is False
+    copies = canary_plan.parse_speculator("method=dflash,promptLookup=4", "--candidate")
     assert copies.runtime_config("m", 1, []).prompt_lookup == 4 and copies.api_speculator().prompt_lookup == 4
-    assert copies.revision != canary.parse_speculator("method=dflash", "-").revision
+    assert copies.revision != canary_plan.parse_speculator("method=dflash", "-").revision
     assert "copies of up to 4" in copies.describe()
 
 
 def test_a_spec_may_run_on_vllm_as_the_crs_runtime_engine_says(tmp_path):
-    on_vllm = canary.parse_speculator("engine=vllm,method=dflash", "--candidate")
+    on_vllm = canary_plan.parse_speculator("engine=vllm,method=dflash", "--candidate")
     assert on_vllm.engine == "vllm" and "on vllm" in on_vllm.describe()
-    assert on_vllm.revision != canary.parse_speculator("method=dflash", "-").revision
-    assert canary.parse_speculator("engine=embedded,method=dflash", "-") == canary.parse_speculator("method=dflash", "-")
+    assert on_vllm.revision != canary_plan.parse_speculator("method=dflash", "-").revision
+    assert canary_plan.parse_speculator("engine=embedded,method=dflash", "-") == canary_plan.parse_speculator("method=dflash", "-")
     config = on_vllm.runtime_config("/models/smol", 8123, ["--dtype", "float32"])
     assert (config.engine, config.engine_args, config.drafter) == ("vllm", ["--dtype", "float32"],
                                                                    "bundled://smollm2-135m-instruct-dflash")
@@ -139,7 +139,7 @@ def test_a_spec_may_run_on_vllm_as_the_crs_runtime_engine_says(tmp_path):
                           ("engine=vllm,method=dflash,draftModel=random", "draftModel: random is an untrained drafter"),
                           ("engine=gpu,method=none", "engine: 'gpu' is neither embedded nor vllm")]:
         with pytest.raises(canary.CanaryError, match=message):
-            canary.parse_speculator(spec, "--candidate")
+            canary_plan.parse_speculator(spec, "--candidate")
 
 
 def test_same_speculator_on_both_sides_is_refused(capsys, prompts_file, nothing_starts):
@@ -160,11 +160,11 @@ def test_steps_parse_into_the_rollout(capsys, prompts_file):
     assert plan.rollout.candidate.speculator.method == "dflash"
     default = canary.make_plan(canary_args(prompts_file))
     assert [(s.weight, s.analysis_seconds) for s in default.rollout.steps] == [(25, 30), (50, 30), (100, 30)]
-    assert default.timeout_seconds == canary.default_timeout(default.rollout)
+    assert default.timeout_seconds == canary_plan.default_timeout(default.rollout)
 
 
 def canary_args(prompts_file, *extra):
-    from specserve_runtime.cli import build_parser
+    from specserve.cli import build_parser
 
     return build_parser().parse_args(["canary", "--stable", "method=none",
                                       "--candidate", "method=dflash,draftModel=random",
@@ -220,12 +220,12 @@ def test_the_command_does_not_import_torch(tmp_path, prompts_file):
     """The operator's image has no torch: parsing, validation and the help must not need it."""
     code = (
         "import sys\n"
-        "from specserve_runtime.cli import main\n"
+        "from specserve.cli import main\n"
         "rc = main(['canary', '--stable', 'method=none', '--candidate', 'method=bogus',\n"
         f"           '--prompts-file', {str(prompts_file)!r}])\n"
         "assert rc == 2, rc\n"
         "assert 'torch' not in sys.modules\n"
-        "import specserve_operator.canary, specserve_operator.measure, specserve_operator.analysis\n"
+        "import specserve_operator.local.canary, specserve_operator.measure, specserve_operator.analysis\n"
         "import specserve_operator.rollout\n"
         "assert 'torch' not in sys.modules\n"
     )
@@ -314,7 +314,7 @@ def test_a_measurement_error_is_an_interval_with_no_data(prompts_file, capsys):
 
 def specserve_command() -> list[str]:
     binary = Path(sys.executable).parent / "specserve"
-    return [str(binary)] if binary.exists() else [sys.executable, "-m", "specserve_runtime.cli"]
+    return [str(binary)] if binary.exists() else [sys.executable, "-m", "specserve.cli"]
 
 
 def refuses_connections(url: str) -> bool:

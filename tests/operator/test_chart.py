@@ -148,7 +148,7 @@ EVERYTHING_ON = {
 
 def test_every_option_on_renders_valid_objects_the_operator_can_read(chart, tmp_path):
     from specserve_operator import api
-    from specserve_operator.scenario import load_capacity_priors
+    from specserve_operator.priors import load_capacity_priors
 
     objects = rendered_objects(chart, EVERYTHING_ON)
     for obj in objects:  # no schemas for monitoring.coreos.com or our own group in kubernetes-validate
@@ -175,7 +175,7 @@ def test_every_option_on_renders_valid_objects_the_operator_can_read(chart, tmp_
 
 def test_a_measured_performance_block_is_a_capacity_prior_the_operator_loads(chart, tmp_path):
     """What `specserve bench --emit-performance` wrote goes into the chart as it is."""
-    from specserve_operator.scenario import load_capacity_priors
+    from specserve_operator.priors import load_capacity_priors
 
     measured = yaml.safe_load(Path("docs/examples/performance-embedded-cpu.yaml").read_text())
     config_map = next(o for o in rendered_objects(chart, {"capacityPriors": measured}) if o["kind"] == "ConfigMap")

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from specserve_operator import canary, demo
+from specserve_operator.local import canary, demo
 from specserve_operator.measure import Window
-from specserve_runtime.cli import main
+from specserve.cli import main
 
 from .test_canary_command import prompts_file, specserve_command  # noqa: F401
 

@@ -25,7 +25,7 @@ def test_durations_are_read_and_default_when_unset(monkeypatch):
 def test_the_operator_command_exits_2_naming_a_bad_setting_before_starting(monkeypatch, capsys):
     import kopf
 
-    from specserve_runtime.cli import main
+    from specserve.cli import main
 
     monkeypatch.setattr(kopf, "run", lambda **kwargs: pytest.fail("kopf started with a bad setting"))
     monkeypatch.setenv("SPECSERVE_AUTOSCALE_INTERVAL_SECONDS", "often")

@@ -446,7 +446,7 @@ def test_render_file_without_namespace_or_cluster_says_what_to_add(tmp_path, exa
 
 
 def test_render_command_exit_status_and_stream(tmp_path, capsys):
-    from specserve_runtime.cli import main
+    from specserve.cli import main
 
     assert main(["render", "-f", EXAMPLE]) == 0
     kinds = [d["kind"] for d in yaml.safe_load_all(capsys.readouterr().out)]

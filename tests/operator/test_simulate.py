@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from specserve_operator import render, rollout, simulate
-from specserve_operator import scenario as scenario_module
+from specserve_operator import render, rollout
+from specserve_operator.local import scenario as scenario_module
+from specserve_operator.local import fleet_model, simulate
 from specserve_operator.render import replica_budget, revision_hash
-from specserve_runtime.cli import main
+from specserve.cli import main
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "docs" / "scenarios"
 SHIPPED = sorted(path.stem for path in SCENARIOS.glob("*.yaml"))
@@ -195,7 +196,7 @@ def test_prometheus_outage_makes_the_analysis_inconclusive_until_it_ends(monkeyp
         record, events = original(self, now_s, outage)
         status = self.cluster.status()
         last = (status.get("canary") or {}).get("lastAnalysis")
-        if last is not None and last["at"] == rollout.timestamp(simulate.at(now_s)):
+        if last is not None and last["at"] == rollout.timestamp(fleet_model.at(now_s)):
             metrics = next(c for c in status["conditions"] if c["type"] == "MetricsAvailable")
             seen.append((now_s, last["verdict"], " ".join(last["reasons"]), metrics["status"],
                          {e.reason for e in events}))
@@ -469,13 +470,17 @@ def test_seeds_runs_each_seed_and_aggregates():
 def test_the_operators_capacity_prior_file_is_a_performance_block(tmp_path):
     """SPECSERVE_CAPACITY_PRIORS: the same `performance` block as a scenario's; a bad one names the file and key."""
     good = write(tmp_path, document("diurnal-dflash")["performance"], "priors.yaml")
-    priors = scenario_module.load_capacity_priors(good)
+    from specserve_operator.capacity import Point
+    from specserve_operator.priors import load_capacity_priors
+    from specserve_operator.validate import InputProblems
+
+    priors = load_capacity_priors(good)
     assert set(priors) == {"eagle3", "dflash"}
     # a request at concurrency 1 finds no other in flight; ms per token (p99 and mean alike), TTFT
-    assert priors["dflash"][0] == scenario_module.Point(0, 1000 / 230, 50, 1000 / 230)
+    assert priors["dflash"][0] == Point(0, 1000 / 230, 50, 1000 / 230)
     bad = write(tmp_path, {"dflash": {"curve": [{"concurrency": 1, "tokensPerSecond": 5, "ttftMs": 1}]}}, "bad.yaml")
-    with pytest.raises(scenario_module.ScenarioError) as caught:
-        scenario_module.load_capacity_priors(bad)
+    with pytest.raises(InputProblems) as caught:
+        load_capacity_priors(bad)
     assert str(bad) in str(caught.value) and "dflash.curve[0].tokensPerSecond" in str(caught.value)
-    with pytest.raises(scenario_module.ScenarioError, match="absent.yaml: cannot read"):
-        scenario_module.load_capacity_priors(tmp_path / "absent.yaml")
+    with pytest.raises(InputProblems, match="absent.yaml: cannot read"):
+        load_capacity_priors(tmp_path / "absent.yaml")

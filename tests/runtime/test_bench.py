@@ -73,7 +73,7 @@ def test_method_spec_names_a_drafter_folder_after_the_at_sign():
 
 
 def test_bench_refuses_a_drafter_folder_without_a_drafter_before_loading_anything(capsys, tmp_path):
-    from specserve_runtime.cli import main
+    from specserve.cli import main
 
     assert main(["bench", "--methods", f"ar,dflash:3@{tmp_path}", "--limit", "1"]) == 2
     assert f"no drafter (config.json) in the folder of: dflash:3@{tmp_path}" in capsys.readouterr().err
@@ -85,7 +85,7 @@ def test_bench_refuses_a_drafter_folder_without_a_drafter_before_loading_anythin
 
 @pytest.mark.slow
 def test_bench_runs_the_drafter_of_the_folder_it_is_given(capsys):
-    from specserve_runtime.cli import main
+    from specserve.cli import main
     from specserve_runtime.drafters import DEFAULT_DRAFTERS
 
     # The bundled drafter named by its folder is the bundled drafter; a random one is another drafter.
@@ -99,9 +99,9 @@ def test_bench_runs_the_drafter_of_the_folder_it_is_given(capsys):
 
 
 def test_the_performance_block_is_what_simulate_and_the_operator_read(tmp_path):
-    from specserve_operator.scenario import load_capacity_priors
+    from specserve_operator.priors import load_capacity_priors
     from specserve_runtime.bench import performance_block
-    from specserve_runtime.cli import write_performance
+    from specserve_runtime.commands.bench import write_performance
 
     summary = summarize({
         "ar": stats(tokens=100, target_forwards=100, decode_tps=[10.0, 12.0, 11.0], e2e_tps=[9.0], ttft_ms=[40.0, 60.0, 50.0]),
@@ -120,7 +120,7 @@ def test_the_performance_block_is_what_simulate_and_the_operator_read(tmp_path):
 
 
 def test_emit_performance_refuses_two_variants_of_one_method_before_loading_anything(capsys, tmp_path):
-    from specserve_runtime.cli import main
+    from specserve.cli import main
 
     assert main(["bench", "--methods", "ar,eagle3,eagle3:4", "--emit-performance", str(tmp_path / "p.yaml")]) == 2
     assert "--emit-performance writes one row per method" in capsys.readouterr().err
@@ -131,7 +131,7 @@ def test_emit_performance_refuses_two_variants_of_one_method_before_loading_anyt
 
 @pytest.mark.slow
 def test_bench_emits_a_performance_block_that_a_scenario_runs_on(tmp_path, capsys):
-    from specserve_runtime.cli import main
+    from specserve.cli import main
 
     performance = tmp_path / "performance.yaml"
     assert main(["bench", "--methods", "ar,eagle3", "--per-category", "1", "--limit", "2", "--max-new-tokens", "16",
@@ -230,8 +230,8 @@ def test_acceptance_length_is_read_from_a_metrics_page():
 
 
 def test_load_curves_become_a_performance_block_with_a_row_per_concurrency(tmp_path):
-    from specserve_operator.scenario import load_capacity_priors
-    from specserve_runtime.cli import write_performance
+    from specserve_operator.priors import load_capacity_priors
+    from specserve_runtime.commands.bench import write_performance
     from specserve_runtime.load_bench import performance_block, table
 
     def level(concurrency, total, per_request, ttft, errors=0):
@@ -264,7 +264,7 @@ def test_load_curves_become_a_performance_block_with_a_row_per_concurrency(tmp_p
     (["--closed-loop", "8", "--kernels"], "--closed-loop measures greedy decoding under load in process"),
 ])
 def test_load_bench_refuses_bad_flags_before_starting_anything(capsys, arguments, message):
-    from specserve_runtime.cli import main
+    from specserve.cli import main
 
     assert main(["bench", "--limit", "1", *arguments]) == 2
     assert message in capsys.readouterr().err
@@ -272,8 +272,8 @@ def test_load_bench_refuses_bad_flags_before_starting_anything(capsys, arguments
 
 @pytest.mark.slow
 def test_load_bench_measures_a_live_server_at_each_concurrency(tmp_path, capsys):
-    from specserve_operator.scenario import Performance
-    from specserve_runtime.cli import main
+    from specserve_runtime.performance import Performance
+    from specserve.cli import main
 
     performance = tmp_path / "performance.yaml"
     assert main(["bench", "--methods", "ar,eagle3", "--concurrency", "1,3", "--limit", "3", "--max-new-tokens", "12",
@@ -305,7 +305,7 @@ def test_a_bench_variant_becomes_serve_flags():
 
 @pytest.mark.slow
 def test_load_bench_names_why_its_server_did_not_start(tmp_path, capsys):
-    from specserve_runtime.cli import main
+    from specserve.cli import main
 
     absent = tmp_path / "no-such-model"
     assert main(["bench", "--methods", "ar", "--concurrency", "1", "--limit", "1", "--model", str(absent)]) == 2
@@ -314,7 +314,7 @@ def test_load_bench_names_why_its_server_did_not_start(tmp_path, capsys):
 
 
 def test_the_closed_loop_interleaves_plain_fixed_and_adaptive_and_replaces_finished_sequences(tiny_llama, tiny_llama_dir):
-    from specserve_runtime.bench import closed_loop, closed_loop_table
+    from specserve_runtime.bench_load import closed_loop, closed_loop_table
     from specserve_runtime.loader import LoadedModel
 
     from .conftest import ByteTokenizer
@@ -349,7 +349,7 @@ def test_a_prompt_set_is_sampled_from_its_held_out_split_a_few_of_each_category(
 
 
 def test_bench_reads_a_v2_style_prompt_set_per_category(tmp_path, capsys):
-    from specserve_runtime.cli import main
+    from specserve.cli import main
 
     path = tmp_path / "set.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"Say the word {w}.", "category": c, "split": s}) + "\n"
@@ -365,7 +365,7 @@ def test_bench_reads_a_v2_style_prompt_set_per_category(tmp_path, capsys):
 def test_the_kernel_timings_cover_every_shape_they_print(tiny_llama, tiny_llama_dir):
     """`bench --kernels` on a tiny model: every timing is there and positive, and the repeated
     steps leave the caches where they began (a step that forgot to crop would overflow)."""
-    from specserve_runtime.bench import decode_floor
+    from specserve_runtime.bench_load import decode_floor
     from specserve_runtime.loader import LoadedModel
 
     from .conftest import ByteTokenizer

@@ -1,5 +1,6 @@
 """Matrix products on GGUF blocks (blockquant.py): found exactly, computed right, the same bits for a row alone or in a batch."""
 
+import contextlib
 import pytest
 import torch
 
@@ -227,7 +228,8 @@ def test_the_onednn_baseline_decodes_on_float32_layouts_and_restores_the_blocks(
     monkeypatch.setattr(blockquant, "linear", lambda *args, **kwargs: calls.append("linear") or kernel(*args, **kwargs))
     monkeypatch.setattr(NativeLayers, "run", lambda *args, **kwargs: calls.append(
         "layers and head" if kwargs.get("head") is not None else "layers") or layers(*args, **kwargs))
-    runners = baseline_runners(model, parse_baselines("onednn"), context=64, threads=torch.get_num_threads())
+    runners = baseline_runners(model, parse_baselines("onednn"), context=64, threads=torch.get_num_threads(),
+                               servers=contextlib.ExitStack())  # the onednn baseline starts no server
     tokens, seconds, first_token = runners["ar-onednn"]([5, 6, 7], 6)
     assert calls == [] and 1 <= len(tokens) <= 6 and 0 < first_token <= seconds
     plain = bench.build_engine(model, "ar").generate(bench.Request([5, 6, 7], 6))

@@ -2,8 +2,9 @@
 
 import pytest
 
-from specserve_runtime import cli
-from specserve_runtime.cli import main
+from specserve.cli import build_parser
+from specserve_runtime.commands import training
+from specserve.cli import main
 from specserve_runtime.drafters.dflash import save_dflash
 
 from .test_dflash import tiny_drafter
@@ -94,7 +95,7 @@ def test_training_data_defaults_to_set_v2_in_the_cache(capsys, tmp_path, monkeyp
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / default_model_dir().name).symlink_to(default_model_dir())
     monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
-    (tmp_path / "data" / cli.DEFAULT_EVAL_DATA).mkdir(parents=True)
+    (tmp_path / "data" / training.DEFAULT_EVAL_DATA).mkdir(parents=True)
     message = error_of(capsys, "eval-drafter", "--method", "dflash", "--drafts", "8")
     assert "--drafts 8: a DFlash block of 8" in message
 
@@ -114,8 +115,8 @@ def test_the_data_manifest_lists_every_file_and_commands_the_cli_takes():
     import json
     import shlex
 
-    manifest = json.loads(cli.DISTILLED_MANIFEST.read_text())
-    assert {cli.DEFAULT_TRAIN_DATA, cli.DEFAULT_EVAL_DATA} <= set(manifest["datasets"])
+    manifest = json.loads(training.DISTILLED_MANIFEST.read_text())
+    assert {training.DEFAULT_TRAIN_DATA, training.DEFAULT_EVAL_DATA} <= set(manifest["datasets"])
     for name, dataset in manifest["datasets"].items():
         assert dataset["records"] == sum(f["records"] for f in dataset["files"].values()) > 0
         assert all(len(f["sha256"]) == 64 and f["bytes"] > 0 for f in dataset["files"].values())
@@ -124,7 +125,7 @@ def test_the_data_manifest_lists_every_file_and_commands_the_cli_takes():
             words = [word for word in shlex.split(command) if "=" not in word or word.startswith("-")]
             assert words[0] == "specserve"
             expanded = [word.replace("~", "/home/user") for word in words[1:]]
-            cli.build_parser().parse_args(expanded)  # every flag is one the command takes
+            build_parser().parse_args(expanded)  # every flag is one the command takes
 
 
 def test_eval_drafter_refuses_more_drafts_than_the_block_holds(capsys, tmp_path):

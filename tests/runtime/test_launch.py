@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from specserve_runtime import cli
+from specserve_runtime.commands import serving
 from specserve_runtime.config import (BUNDLED_DRAFTERS_DIR, PVC_MOUNT, BatchSizeRange, RuntimeConfig, local_reference,
                                       parse_schedule, schedule_problems, scheduled_tokens)
 from specserve_runtime.drafters import DEFAULT_DRAFTERS
@@ -131,7 +132,7 @@ def test_launch_refuses_such_a_folder_before_vllm_starts(tmp_path, monkeypatch, 
                             engine="vllm")
     (tmp_path / "runtime.yaml").write_text(runtime.to_yaml())
     started = []
-    monkeypatch.setattr(cli.os, "execvp", lambda *command: started.append(command))
+    monkeypatch.setattr(serving.os, "execvp", lambda *command: started.append(command))
     assert cli.main(["launch", "--config", str(tmp_path / "runtime.yaml")]) == 2
     assert started == []
     (line,) = capsys.readouterr().err.strip().splitlines()

@@ -1,6 +1,7 @@
 """llama.cpp and transformers as `specserve bench` baselines: naming, refusals, the table, the GGUF cache,
 and (marked `llamacpp`: needs `pip install 'specserve[llamacpp]'`) a real run."""
 
+import contextlib
 import json
 import sys
 import zipfile
@@ -32,7 +33,7 @@ def test_baselines_are_named_as_in_the_table_and_a_group_stands_for_its_members(
 
 def test_a_missing_llama_cpp_is_refused_before_anything_loads(monkeypatch, capsys):
     from specserve_runtime import loader
-    from specserve_runtime.cli import main
+    from specserve.cli import main
 
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` raises ImportError
     monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
@@ -48,7 +49,7 @@ def test_a_missing_llama_cpp_is_refused_before_anything_loads(monkeypatch, capsy
     (["--baselines", "llamacpp", "--model", "/some/folder"], "run the default model's GGUF files only"),
 ])
 def test_bad_baselines_are_refused_with_the_names_that_exist(capsys, arguments, message):
-    from specserve_runtime.cli import main
+    from specserve.cli import main
 
     assert main(["bench", "--limit", "1", *arguments]) == 2
     assert message in capsys.readouterr().err
@@ -129,7 +130,8 @@ def test_transformers_baselines_return_tokens_and_first_token_time(tiny_llama, t
     from .conftest import ByteTokenizer
 
     model = LoadedModel(tiny_llama_dir, tiny_llama, ByteTokenizer(), {2})
-    runners = baseline_runners(model, parse_baselines("prompt-lookup,hf"), context=64, threads=torch.get_num_threads())
+    runners = baseline_runners(model, parse_baselines("prompt-lookup,hf"), context=64, threads=torch.get_num_threads(),
+                               servers=contextlib.ExitStack())  # transformers' baselines start no server
     assert list(runners) == ["hf-prompt-lookup", "hf-greedy"]
     greedy, seconds, first_token = runners["hf-greedy"]([5, 6, 7, 5, 6, 7], 6)
     assert 1 <= len(greedy) <= 6 and 2 not in greedy and 0 < first_token <= seconds
@@ -140,7 +142,7 @@ def test_transformers_baselines_return_tokens_and_first_token_time(tiny_llama, t
 @pytest.mark.slow
 @pytest.mark.llamacpp
 def test_llama_cpp_runs_in_the_bench_beside_ar(capsys):
-    from specserve_runtime.cli import main
+    from specserve.cli import main
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # llama.cpp takes torch's count; one thread stays quick when another job shares the CPU

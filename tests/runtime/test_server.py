@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from specserve_runtime import cli
+from specserve_runtime.commands import serving
 from specserve_runtime.config import RuntimeConfig
 from specserve_runtime.engine import Request
 from specserve_runtime.drafters import DEFAULT_DRAFTERS
@@ -603,7 +604,7 @@ def test_serve_config_passes_every_engine_option(tmp_path, monkeypatch):
                            num_speculative_tokens=6, draft_tree=True, prompt_lookup=4, port=8123)
     (tmp_path / "runtime.yaml").write_text(config.to_yaml())
     served = {}
-    monkeypatch.setattr(cli, "run_embedded_server", lambda args: served.update(vars(args)))
+    monkeypatch.setattr(serving, "run_embedded_server", lambda args: served.update(vars(args)))
     assert cli.main(["serve", "--config", str(tmp_path / "runtime.yaml")]) == 0
     assert {key: served[key] for key in ("model", "method", "drafter", "num_speculative_tokens", "draft_tree",
                                          "prompt_lookup", "served_model_name", "host", "port")} == {

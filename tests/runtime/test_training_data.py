@@ -119,7 +119,7 @@ def test_later_turns_come_with_the_whole_exchanges_before_them_that_fit(monkeypa
 
 
 def test_a_prompt_file_with_conversations_is_refused_where_only_single_turns_are_sent(tmp_path):
-    from specserve_runtime.cli import UsageError, read_prompt_records
+    from specserve_runtime.cmdline import UsageError, read_prompt_records
 
     turns = tmp_path / "turns.jsonl"
     turns.write_text(json.dumps({"prompt": "Hi", "split": "eval"}) + "\n" +

@@ -133,8 +133,8 @@ def test_the_local_canary_runs_both_revisions_on_vllm_through_the_same_launcher(
     from ..runtime.test_server import specserve_bin
 
     run = subprocess.run([specserve_bin(), "canary", "--stable", "engine=vllm,method=eagle3",
-                          "--candidate", "engine=vllm,method=dflash", "--prompts-file", "docs/examples/canary-prompts.jsonl",
-                          "--steps", "50,100", "--interval-seconds", "10", "--json"],
+                          "--candidate", "engine=vllm,method=dflash", "--steps", "50,100", "--interval-seconds", "10",
+                          "--json"],
                          capture_output=True, text=True, timeout=900, env={**os.environ, VLLM_ENV: vllm_program()})
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout)

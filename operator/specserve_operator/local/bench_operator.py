@@ -9,6 +9,7 @@ import collections
 import copy
 import logging
 import os
+import sys
 import time
 import uuid
 
@@ -32,8 +33,8 @@ async def _run(count: int) -> dict:
     from kmock._internal.apps import Server
     from kubernetes import client as k8s
 
-    from .apply import Cluster
-    from . import main  # noqa: F401  (registers the handlers)
+    from .. import main  # noqa: F401  (registers the handlers)
+    from ..apply import Cluster
 
     async with kmock.KubernetesEmulator() as emulator, Server(emulator):
         emulator.resources.load_bundled()
@@ -97,3 +98,16 @@ def report(result: dict) -> str:
         lines.append(f"| {call} | {n} | {n / result['servings']:.2f} |")
     return "\n".join(lines)
 
+
+def cmd_bench_operator(args) -> int:
+    if args.servings < 1:
+        print("specserve bench-operator: --servings must be >= 1", file=sys.stderr)
+        return 2
+    print(report(run(args.servings)))
+    return 0
+
+
+def add_commands(commands) -> None:
+    bench = commands.add_parser("bench-operator", help="reconcile N SpeculativeServings against KMock; time and API calls")
+    bench.add_argument("--servings", type=int, default=500)
+    bench.set_defaults(run=cmd_bench_operator)

@@ -1,9 +1,12 @@
-"""Child processes on loopback, for the commands that start runtimes, vLLM or Prometheus (the local canary and
-demo, the load bench, the vLLM baseline): started in their own process group and ended with their parent, polled
-until ready, stopped in order. Torch-free: the operator's local tools import it.
+"""What the command lines of both packages share, torch-free (the operator's local tools import it): usage errors
+and the parser that raises them, prompt files, and child processes on loopback (the local canary and demo, the
+load bench and the vLLM baseline start runtimes, vLLM or Prometheus this way): started in their own process group
+and ended with their parent, polled until ready, stopped in order.
 """
 
+import argparse
 import contextlib
+import json
 import signal
 import socket
 import subprocess
@@ -14,6 +17,48 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+# ---- usage errors and prompt files ---------------------------------------------------------------
+
+
+class UsageError(Exception):
+    """Bad input from the user: reported as one line, exit status 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line naming the problem, not the whole usage text
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
+    return [prompt] if prompt is not None else [record["prompt"] for record in read_prompt_records(prompts_file)]
+
+
+def read_prompt_records(prompts_file: str) -> list[dict]:
+    """A JSONL prompt file's objects, each with a string "prompt" (and whatever else it carries)."""
+    path = Path(prompts_file)
+    if not path.is_file():
+        raise UsageError(f"--prompts-file {path}: no such file")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{path}:{number}: invalid JSON ({exc.msg})") from exc
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise UsageError(f'{path}:{number}: expected an object with a string "prompt" field')
+        if "context" in record:  # these commands send one user turn: the conversation before it would be dropped
+            raise UsageError(f'{path}:{number}: a multi-turn prompt (a "context" field, set v2-turns) is for '
+                             "`specserve distill`; this command sends single-turn prompts (such as set v2's)")
+        records.append(record)
+    if not records:
+        raise UsageError(f"{path}: no prompts")
+    return records
+
+
+# ---- child processes on loopback ----------------------------------------------------------------
 
 STOP_GRACE_SECONDS = 10  # SIGTERM, then SIGKILL after this
 # A runtime not ready by then is a failure: the embedded engine loads in seconds; vLLM loads and profiles longer,

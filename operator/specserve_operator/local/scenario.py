@@ -8,25 +8,19 @@ would mark Invalid is refused before anything is simulated.
 
 from itertools import pairwise
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import Field, ValidationError, field_validator, model_validator
+from specserve_runtime.performance import MethodPerformance, Performance, Strict
 
-from . import api
-from .autoscale import prior_points
-from .capacity import Point
-from .render import Profile, Serving
-from .validate import InputProblems, check_against_profile, pydantic_problems
+from .. import api
+from ..render import Profile, Serving
+from ..validate import InputProblems, check_against_profile, pydantic_problems
 
 
 class ScenarioError(InputProblems):
     """A scenario (or a capacity prior file) that cannot be used."""
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=False, extra="forbid")
 
 
 class RatePoint(Strict):
@@ -77,56 +71,6 @@ class Load(Strict):
         """The highest rate within [0, duration] (piecewise linear: at a point or at an end)."""
         times = [0.0, duration] + [p.at_seconds for p in self.requests_per_second if p.at_seconds <= duration]
         return max(self.rate(t) for t in times)
-
-
-class CurvePoint(Strict):
-    concurrency: float = Field(gt=0)
-    tokens_per_second_per_request: float = Field(gt=0)
-    ttft_ms: float = Field(ge=0)
-
-
-class MethodPerformance(Strict):
-    acceptance_length: float = Field(1.0, ge=1)
-    error_rate: float = Field(0.0, ge=0, le=1)
-    curve: list[CurvePoint] = Field(min_length=1)
-    max_concurrency: int | None = Field(None, ge=1, description="the engine's batch: more requests wait (default: "
-                                                                "the curve's highest concurrency)")
-
-    @model_validator(mode="after")
-    def _sorted(self):
-        for index in range(1, len(self.curve)):
-            if self.curve[index].concurrency <= self.curve[index - 1].concurrency:
-                raise ValueError(f"curve[{index}].concurrency: {self.curve[index].concurrency:g} must be greater than "
-                                 f"the previous row's ({self.curve[index - 1].concurrency:g})")
-        return self
-
-
-METHODS = get_args(api.Method)
-
-
-class Performance(Strict):
-    none: MethodPerformance | None = None
-    ngram: MethodPerformance | None = None
-    eagle3: MethodPerformance | None = None
-    dflash: MethodPerformance | None = None
-
-
-def capacity_priors(performance: Performance) -> dict[str, list[Point]]:
-    """The autoscaler's capacity prior per method (render.Settings.capacity_priors) from performance tables."""
-    return {method: prior_points([row.model_dump(by_alias=True) for row in table.curve])
-            for method in METHODS if (table := getattr(performance, method)) is not None}
-
-
-def load_capacity_priors(path: Path) -> dict[str, list[Point]]:
-    """The operator's SPECSERVE_CAPACITY_PRIORS: a YAML `performance` block, as in a scenario.
-    A file that cannot be used is an error naming it and the problem (the operator does not start)."""
-    try:
-        performance = Performance.model_validate(yaml.safe_load(path.read_text()))
-    except (OSError, yaml.YAMLError) as exc:
-        raise ScenarioError([f"{path}: cannot read ({' '.join(str(exc).split())})"]) from exc
-    except ValidationError as exc:
-        raise ScenarioError([f"{path}: {p.removeprefix('.')}" for p in pydantic_problems("", exc)]) from exc
-    return capacity_priors(performance)
 
 
 FaultKind = Literal["prometheusOutage", "operatorRestart", "nodeLoss"]

@@ -14,14 +14,13 @@ import statistics
 import sys
 from pathlib import Path
 
-from . import api, autoscale
+from .. import api, autoscale
+from ..rollout import parse_time, timestamp
 from .canary import CanaryError, Plan, add_rollout_flags, make_plan, run_to_the_end, say
-from .rollout import parse_time, timestamp
 
 DEFAULTS = {
     "stable": "method=eagle3",
     "candidate": "method=dflash",
-    "prompts_file": "docs/examples/canary-prompts.jsonl",
     "steps": "50,100",
     # Six prompts of unequal acceptance, cycled: a window holds a few cycles and a partial one, and
     # the partial one's mix moves a window's tokens/$ by ~10% at 20 s (about ten requests on two
@@ -228,7 +227,7 @@ works here; only the defaults differ. About a minute on 2 CPU cores when the can
 (53 s measured), three when it passes both steps. Exit status as canary."""
 
 
-def add_demo_command(commands) -> None:
+def add_commands(commands) -> None:
     demo = commands.add_parser("demo", help="the canary analysis and the autoscaler on two local runtimes, with charts",
                                description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_rollout_flags(demo, DEFAULTS)

@@ -1,0 +1,184 @@
+"""The simulated fleet's parts: a revision's performance curve, the requests and their Poisson arrivals, the
+replicas, and the per-second bins of what they did (simulate.py's docstring has the model).
+"""
+
+import datetime
+import math
+import random
+from bisect import bisect_right
+from collections import deque
+from dataclasses import dataclass
+
+from specserve_runtime.performance import MethodPerformance
+
+from .scenario import Scenario, truncated_normal
+
+EPOCH = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)  # simulated time 0
+SERVING, NAMESPACE = "simulated", "simulation"  # the simulated SpeculativeServing
+
+
+def at(seconds: float) -> datetime.datetime:
+    return EPOCH + datetime.timedelta(seconds=seconds)
+
+
+# ---- performance of one revision ---------------------------------------------------------------
+
+
+class Curve:
+    """tokensPerSecondPerRequest and ttftMs against concurrency: linear, clamped at the ends."""
+
+    def __init__(self, performance: MethodPerformance):
+        self.xs = [row.concurrency for row in performance.curve]
+        self.tps = [row.tokens_per_second_per_request for row in performance.curve]
+        self.ttfts = [row.ttft_ms for row in performance.curve]
+        self.max_running = performance.max_concurrency or max(1, math.floor(self.xs[-1]))  # more requests wait
+        self._rates: dict[int, float] = {}
+
+    def _at(self, ys: list[float], x: float) -> float:
+        if x <= self.xs[0]:
+            return ys[0]
+        if x >= self.xs[-1]:
+            return ys[-1]
+        i = bisect_right(self.xs, x)
+        x0, x1 = self.xs[i - 1], self.xs[i]
+        return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - x0) / (x1 - x0)
+
+    def speed(self, concurrency: float) -> float:
+        """Tokens per second of each decoding request at this concurrency."""
+        return self._at(self.tps, concurrency)
+
+    def rate(self, running: int) -> float:
+        """speed(running), cached: the simulation asks at whole numbers only."""
+        value = self._rates.get(running)
+        if value is None:
+            value = self._rates[running] = self.speed(running)
+        return value
+
+    def ttft_ms(self, running: float) -> float:
+        return self._at(self.ttfts, running)
+
+    def itl_ms(self, concurrency: float) -> float:
+        return 1000.0 / self.speed(concurrency)
+
+
+@dataclass(frozen=True)
+class RevisionModel:
+    hash: str
+    method: str
+    curve: Curve
+    acceptance_length: float | None
+    error_rate: float
+
+
+# ---- requests and replicas ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Arrival:
+    t: float
+    prompt_factor: float  # prompt tokens / the mean: scales the prefill time
+    output: int
+    u_route: float
+    u_error: float
+
+
+def arrivals(scenario: Scenario, seed: int) -> list[Arrival]:
+    """Non-homogeneous Poisson arrivals by thinning; the same seed gives the same requests."""
+    rng = random.Random(seed)
+    load_ = scenario.load
+    peak = load_.peak(scenario.duration_seconds)
+    found: list[Arrival] = []
+    if peak <= 0:
+        return found
+    t = 0.0
+    while True:
+        t += rng.expovariate(peak)
+        if t >= scenario.duration_seconds:
+            return found
+        if rng.random() * peak < load_.rate(t):
+            prompt = truncated_normal(rng, load_.prompt_tokens)
+            output = truncated_normal(rng, load_.output_tokens)
+            found.append(Arrival(t, prompt / load_.prompt_tokens.mean, output, rng.random(), rng.random()))
+
+
+class Request:
+    __slots__ = ("arrival", "dead", "fails", "output", "pod", "prompt_factor")
+
+    def __init__(self, arrival: Arrival, fails: bool):
+        self.arrival, self.output, self.prompt_factor = arrival.t, arrival.output, arrival.prompt_factor
+        self.fails = fails
+        self.pod: Pod | None = None
+        self.dead = False  # its replica was lost
+
+
+class Pod:
+    __slots__ = (
+        "created",
+        "decoding",
+        "drain_started",
+        "draining",
+        "gone",
+        "id",
+        "model",
+        "prefilling",
+        "rate",
+        "ready",
+        "removed",
+        "running",
+        "served",
+        "t_last",
+        "version",
+        "waiting",
+    )
+
+    def __init__(self, pod_id: int, model: RevisionModel, created: float):
+        self.id, self.model, self.created = pod_id, model, created
+        self.removed: float | None = None
+        self.drain_started: float | None = None
+        self.ready = self.draining = self.gone = False
+        self.running = 0  # admitted: prefilling or decoding
+        self.prefilling: dict[int, Request] = {}
+        self.waiting: deque[Request] = deque()  # FIFO beyond the engine's batch
+        self.decoding: list[tuple[float, int, Request]] = []  # heap: (`served` when it ends, seq, request)
+        self.served = 0.0  # tokens each decoding request has received since the pod started (processor sharing)
+        self.t_last = created
+        self.rate = 0.0
+        self.version = 0  # invalidates scheduled completions when the rate changes
+
+    @property
+    def in_system(self) -> int:
+        return self.running + len(self.waiting)
+
+
+class Bin:
+    """One revision over one second of simulated time."""
+
+    __slots__ = ("arrivals", "errors", "finished", "in_system", "itl", "tokens", "ttfts", "waiting")
+
+    def __init__(self):
+        self.tokens = 0.0
+        self.itl: dict[float, float] = {}  # tokens/s per request -> tokens generated at that speed
+        self.ttfts: list[float] = []  # seconds
+        self.finished = self.errors = self.arrivals = 0
+        self.in_system = 0.0  # integral of requests in the system (request-seconds)
+        self.waiting = 0.0  # the part of it queued beyond the batch
+
+
+def weighted_p99(weights: dict[float, float]) -> float | None:
+    """p99 inter-token latency (ms) of tokens generated at the given speeds, weighted by count."""
+    total = sum(weights.values())
+    if total <= 0:
+        return None
+    rank, seen = 0.99 * total, 0.0
+    for speed in sorted(weights, reverse=True):  # fastest first: ascending latency
+        seen += weights[speed]
+        if seen >= rank - 1e-9:
+            return 1000.0 / speed
+    return 1000.0 / min(weights)
+
+
+def p99(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]

@@ -1,0 +1,30 @@
+"""The operator's capacity prior (SPECSERVE_CAPACITY_PRIORS, the chart's capacityPriors): a performance block, the
+same a scenario carries (specserve_runtime.performance), as the autoscaler's points per speculator method."""
+
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+from specserve_runtime.performance import METHODS, Performance
+
+from .autoscale import prior_points
+from .capacity import Point
+from .validate import InputProblems, pydantic_problems
+
+
+def capacity_priors(performance: Performance) -> dict[str, list[Point]]:
+    """The autoscaler's capacity prior per method (render.Settings.capacity_priors) from performance tables."""
+    return {method: prior_points([row.model_dump(by_alias=True) for row in table.curve])
+            for method in METHODS if (table := getattr(performance, method)) is not None}
+
+
+def load_capacity_priors(path: Path) -> dict[str, list[Point]]:
+    """The operator's SPECSERVE_CAPACITY_PRIORS: a YAML `performance` block, as in a scenario.
+    A file that cannot be used is an error naming it and the problem (the operator does not start)."""
+    try:
+        performance = Performance.model_validate(yaml.safe_load(path.read_text()))
+    except (OSError, yaml.YAMLError) as exc:
+        raise InputProblems([f"{path}: cannot read ({' '.join(str(exc).split())})"]) from exc
+    except ValidationError as exc:
+        raise InputProblems([f"{path}: {p.removeprefix('.')}" for p in pydantic_problems("", exc)]) from exc
+    return capacity_priors(performance)
