@@ -37,15 +37,6 @@ KINDS = {
     ("specserve.io/v1alpha1", "ServingProfile"): Kind("/apis/specserve.io/v1alpha1", "servingprofiles", namespaced=False),
     ("specserve.io/v1alpha1", "SpeculativeServing"): Kind("/apis/specserve.io/v1alpha1", "speculativeservings"),
 }
-# Child kinds the operator owns and garbage-collects itself (label specserve.io/serving=<name>).
-CHILD_KINDS = [
-    ("v1", "ConfigMap"),
-    ("apps/v1", "Deployment"),
-    ("v1", "Service"),
-    ("policy/v1", "PodDisruptionBudget"),
-    ("networking.k8s.io/v1", "NetworkPolicy"),
-    ("gateway.networking.k8s.io/v1", "HTTPRoute"),
-]
 
 # Every (API group, resource, verbs) the operator needs: here and in kopf (watching its own
 # resources, posting events, patching status and finalizers).

@@ -8,20 +8,36 @@ spec to cluster. The clock is a parameter: everything time-dependent is decided 
 
 import datetime
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from specserve_runtime.config import DEFAULT_PORT
 
 from . import api, autoscale
 from .analysis import Report
-from .apply import CHILD_KINDS, Cluster
 from .measure import MeasurementError, Pricing, ScrapeSource, Target, Window
-from .render import (Profile, Serving, Settings, Traffic, candidate_hash, planned_revisions, pods_to_keep, render_all,
+from .render import (CHILD_KINDS, Profile, Serving, Settings, Traffic, candidate_hash, planned_revisions, pods_to_keep, render_all,
                      replica_budget, replica_ceiling, replica_room, revision_hash, revisions)
 from .rollout import Decision, Event, parse_time, timestamp
 from .rollout import tick as rollout_tick
 from .validate import check_against_profile, parse_profile, parse_serving
 
 REVISION_SCOPED = {("v1", "ConfigMap"), ("apps/v1", "Deployment")}
+
+
+class Cluster(Protocol):
+    """What a reconcile needs of the cluster: apply.Cluster is the real one (the Kubernetes API), the simulator's
+    SimulatedCluster one in memory. Not importing apply keeps the Kubernetes client out of every command that
+    does not talk to a cluster (the runtime images' `specserve launch` among them)."""
+
+    def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict | None: ...
+
+    def list(self, api_version: str, kind: str, namespace: str | None, label_selector: str = "") -> list[dict]: ...
+
+    def apply(self, obj: dict) -> str: ...
+
+    def scale(self, api_version: str, kind: str, namespace: str, name: str, replicas: int) -> None: ...
+
+    def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool: ...
 
 
 @dataclass

@@ -16,6 +16,16 @@ from specserve_runtime.config import CONFIG_FILE, CONFIG_MOUNT, DEFAULT_PORT, PV
 from . import api
 from .capacity import Point
 
+# Child kinds the operator owns and garbage-collects itself (label specserve.io/serving=<name>).
+CHILD_KINDS = [
+    ("v1", "ConfigMap"),
+    ("apps/v1", "Deployment"),
+    ("v1", "Service"),
+    ("policy/v1", "PodDisruptionBudget"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"),
+]
+
 PORT_NAME = "http"
 RUNTIME_UID = 10001
 MANAGED_BY = "specserve-operator"

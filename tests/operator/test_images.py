@@ -143,3 +143,18 @@ def test_the_build_context_keeps_what_the_dockerfile_copies_and_leaves_out_the_r
         assert Path(source).exists(), source
     # Environments, history and outputs never reach the daemon.
     assert {".git", ".venv", "specserve-demo"} <= set(ignored)
+
+
+def test_the_runtime_images_command_needs_neither_the_kubernetes_client_nor_kopf_nor_torch_for_vllm(tmp_path):
+    """The vLLM image installs the wheel alone (vLLM's own environment: pydantic, yaml, prometheus_client), the CPU
+    image `specserve[runtime]`: `specserve launch` of a vLLM revision must not import what neither has."""
+    config = tmp_path / "runtime.yaml"
+    config.write_text("model: m\nservedName: m\nengine: vllm\nmethod: dflash\ndrafter: bundled://smollm2-135m-instruct-dflash\n")
+    code = ("import sys\n"
+            "for name in ('kubernetes', 'kopf', 'torch', 'transformers', 'aiohttp'): sys.modules[name] = None\n"
+            "from specserve.cli import main\n"
+            f"sys.exit(main(['launch', '--config', {str(config)!r}, '--dry-run']))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "SPECSERVE_VLLM": ""})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("vllm serve --model m ")
