@@ -403,8 +403,8 @@ class CanaryStatus(RevisionStatus):
     weight: int = 0
     step_started_at: str | None = None
     state: Literal["Progressing", "AwaitingPromotion"] = "Progressing"
-    passed_checks: int = Field(0, description="consecutive passing analyses in this step")
-    failed_checks: int = Field(0, description="consecutive failed analyses")
+    passed_checks: int = Field(0, description="passing analyses in this step since its last failed one (inconclusive ones neither count nor interrupt)")
+    failed_checks: int = Field(0, description="failed analyses since the last passing one (inconclusive ones neither count nor interrupt)")
     inconclusive_checks: int = Field(0, description="consecutive inconclusive analyses")
     last_analysis: AnalysisResult | None = None
     history: list[AnalysisResult] = Field([], description="the last 20 analyses, oldest first")

@@ -150,7 +150,8 @@ def _promote(events: list[Event], consumed: list[str], canary: api.CanaryStatus,
 
 
 def required_passes(step: api.RolloutStep, analysis: api.Analysis) -> int:
-    """Consecutive passing analyses that complete a step: one per interval of its analysisSeconds."""
+    """Passing analyses that complete a step, with no failure between them (Inconclusive ones
+    neither count nor interrupt): one per interval of its analysisSeconds."""
     return max(1, int(step.analysis_seconds // analysis.interval_seconds))
 
 
@@ -195,7 +196,9 @@ def decide(
 
     if report is not None:
         result = analysis_result(report, canary, now)
-        passes = canary.passed_checks + 1 if report.verdict == "Pass" else 0
+        # An Inconclusive interval is a hole in the evidence, not evidence: it keeps both counts,
+        # so an outage or a load mismatch costs the intervals it lasts, never the passes before it.
+        passes = {"Pass": canary.passed_checks + 1, "Fail": 0}.get(report.verdict, canary.passed_checks)
         fails = 0 if report.verdict == "Pass" else canary.failed_checks + (report.verdict == "Fail")
         inconclusive = canary.inconclusive_checks + 1 if report.verdict == "Inconclusive" else 0
         canary = canary.model_copy(update={

@@ -112,12 +112,21 @@ def test_inconclusive_holds_the_step_and_raises_a_condition():
         assert decision.stage == "Canary" and decision.canary.step == 0  # never advances, never promotes
         assert decision.conditions["AnalysisInconclusive"][0] is (index >= INCONCLUSIVE_LIMIT)
     assert decision.canary.inconclusive_checks == INCONCLUSIVE_LIMIT + 1
-    # Held 120 s+ already, but time without evidence completes nothing: step 0 needs 2 passes in a row.
+    # Held 120 s+ already, but time without evidence completes nothing: step 0 needs 2 passes.
     assert run.step("Pass", seconds=60).canary.step == 0
     assert run.step("Pass", seconds=60).canary.step == 1
 
 
-def test_a_step_needs_one_pass_per_interval_in_a_row():
+def test_inconclusive_analyses_neither_count_nor_erase_the_passes_before_them():
+    run = Run()
+    run.step()
+    assert run.step("Pass", seconds=60).canary.passed_checks == 1
+    held = run.step("Inconclusive", seconds=60)
+    assert held.canary.step == 0 and held.canary.passed_checks == 1  # an outage: a hole, not a restart
+    assert run.step("Pass", seconds=60).canary.step == 1  # the second pass completes the step
+
+
+def test_a_step_needs_one_pass_per_interval_with_no_failure_between():
     run = Run()
     run.step()
     assert run.step("Pass", seconds=60).canary.passed_checks == 1
