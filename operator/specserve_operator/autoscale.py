@@ -20,9 +20,10 @@ requests in flight, with s the capacity model's mean time in the system per gene
 (capacity.py), fitted to windows that measured it at their own loads, so it already carries
 their queueing. With utilisation u = rate x B the solution is c = rate x A / (1 - u). A count
 whose replicas would run past UTILISATION_LIMIT does not qualify: near saturation the queue is
-too sensitive to trust. The capacity model's p99 predictions at that c (with their confidence
+too sensitive to trust; nor one whose c would pass UTILISATION_LIMIT of the engine's batch, where
+the capacity model knows it (capacity.Prior): beyond it requests wait for a slot in the batch. The capacity model's p99 predictions at that c (with their confidence
 margins) must meet the SLO. During a canary the autoscaler sizes the total and the rollout's
-weight splits it (render.split_replicas): one writer of replicas; both revisions see the same
+weight splits it (replicas.split_replicas): one writer of replicas; both revisions see the same
 per-replica rate, so the worse of their two models decides.
 
 Trend. A replica added now serves only after the scale-up stabilisation window and its start-up
@@ -57,7 +58,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from . import api
-from .capacity import OBSERVATIONS, Capacity, Point, fit
+from .capacity import OBSERVATIONS, Capacity, Point, Prior, fit
 from .measure import Window
 from .rollout import parse_time, timestamp
 
@@ -196,13 +197,16 @@ def planned(demand: Demand, history: Sequence[tuple[float, float]], ahead: float
 
 def in_flight(capacity: Capacity, rate: float, tokens_per_request: float) -> float | None:
     """Requests in flight per replica at `rate` requests/s (Little's law on the fitted mean time
-    per token), or None past UTILISATION_LIMIT."""
+    per token), or None past UTILISATION_LIMIT, of the replica's saturating rate or of its batch."""
     fixed = tokens_per_request * capacity.service.intercept / 1000  # A: seconds per request
     per_request = tokens_per_request * capacity.service.slope / 1000  # B: ... per request in flight
     utilisation = rate * per_request
     if utilisation >= UTILISATION_LIMIT:
         return None
-    return rate * fixed / (1 - utilisation)
+    load = rate * fixed / (1 - utilisation)
+    if capacity.batch is not None and load >= UTILISATION_LIMIT * capacity.batch:
+        return None  # so near the engine's batch, requests would queue beyond it: the same limit
+    return load
 
 
 def _predict(capacities: list[Capacity], demand: Demand, count: int) -> tuple[float, float | None] | None:
@@ -311,9 +315,10 @@ def decide(
     return ScaleDecision(target, raw, reason, budget_limited, demand, itl, ttft, kept)
 
 
-def prior_points(performance: list[dict] | None) -> list[Point]:
+def prior_points(performance: list[dict] | None, max_concurrency: int | None = None) -> Prior:
     """Capacity prior from a performance table: rows of {concurrency, tokensPerSecondPerRequest, ttftMs}
-    (a scenario's `performance.<method>.curve`; the operator's SPECSERVE_CAPACITY_PRIORS file).
+    (a scenario's `performance.<method>.curve`; the operator's SPECSERVE_CAPACITY_PRIORS file), and
+    its batch: `max_concurrency`, else the highest concurrency it measured (as the simulator runs it).
     A row's concurrency counts the request itself; a request arriving at a replica finds the
     time-averaged number in the system there (Poisson arrivals see time averages), so row k is the
     point at k - 1 requests in flight. The row's mean time per token stands in for the p99 and for
@@ -323,14 +328,15 @@ def prior_points(performance: list[dict] | None) -> list[Point]:
         if row["tokensPerSecondPerRequest"] > 0:
             ms_per_token = 1000.0 / row["tokensPerSecondPerRequest"]
             points.append(Point(row["concurrency"] - 1, ms_per_token, row.get("ttftMs"), ms_per_token))
-    return points
+    batch = max_concurrency or max((row["concurrency"] for row in performance or []), default=None)
+    return Prior(tuple(points), batch)
 
 
 def tick(
     status: api.AutoscalingStatus,
     windows: list[Window],
     deciding: list[str],
-    priors: Mapping[str, Sequence[Point]],
+    priors: Mapping[str, Prior],
     spec: api.SpeculativeServingSpec,
     profile: api.ServingProfileSpec,
     slo: api.Slo,
@@ -365,7 +371,7 @@ def tick(
     for revision in sorted(set(deciding)):
         measured = [Point(o.in_flight_per_replica, o.p99_inter_token_latency_ms, o.p99_time_to_first_token_ms,
                           o.ms_per_token) for o in kept if o.revision == revision]
-        model = fit(measured, priors.get(revision, ()))
+        model = fit(measured, priors.get(revision, Prior()))
         if model is not None:
             capacities.append(model)
 

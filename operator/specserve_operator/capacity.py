@@ -18,7 +18,10 @@ mean time in the system proportional to c + 1 (the request and those it finds; L
 gives the processor-sharing queue's u / (1 - u)), the conservative case of a one-sequence-at-a-time
 engine. Confidence: the p99 predictions are raised by 2 residual standard deviations and a
 relative margin of 0.1 + 0.4 / sqrt(1 + n) for n measured windows (0.5 with only the prior, 0.2 at
-15 windows), so decisions on little evidence keep more headroom.
+15 windows), so decisions on little evidence keep more headroom. Batch: an engine decodes at most
+so many requests at once (vLLM's max_num_seqs) and queues the rest, a wait that grows without
+bound as the load nears the batch and that no line through the measured points foresees; where the
+prior's table says how many (its maxConcurrency, else its highest concurrency), the model carries it.
 """
 
 import math
@@ -65,11 +68,21 @@ def fit_line(xs: Sequence[float], ys: Sequence[float], zero_at: float = 0.0) -> 
 
 
 @dataclass(frozen=True)
+class Prior:
+    """What a performance table says of a method before anything is measured: its points, and the
+    engine's batch (the most requests a replica decodes at once; more wait), when the table knows it."""
+
+    points: Sequence[Point] = ()
+    batch: float | None = None
+
+
+@dataclass(frozen=True)
 class Capacity:
     itl: Line
     ttft: Line | None
     service: Line  # mean ms in the system per generated token: Little's law's service time, no margin
     measured: int  # windows behind the fit (the prior's points not counted)
+    batch: float | None = None  # Prior.batch: past it requests queue, which the lines do not model
 
     @property
     def margin(self) -> float:
@@ -84,9 +97,9 @@ class Capacity:
         return (self.ttft.at(in_flight_per_replica) + 2 * self.ttft.residual) * (1 + self.margin)
 
 
-def fit(measured: Sequence[Point], prior: Sequence[Point] = ()) -> Capacity | None:
+def fit(measured: Sequence[Point], prior: Prior = Prior()) -> Capacity | None:
     """The model from measured points and the prior's; None when there is neither."""
-    points = list(prior) + list(measured)
+    points = list(prior.points) + list(measured)
     if not points:
         return None
     itl = fit_line([p.in_flight_per_replica for p in points], [p.p99_inter_token_latency_ms for p in points])
@@ -100,4 +113,4 @@ def fit(measured: Sequence[Point], prior: Sequence[Point] = ()) -> Capacity | No
         # At fixed throughput a request's time in the system is the service of itself and the c it
         # finds (processor sharing: T = (c + 1) / mu), so that line is 0 at c = -1, not at 0.
         service = fit_line([p.in_flight_per_replica for p in timed], [p.ms_per_token for p in timed], zero_at=-1.0)
-    return Capacity(itl, ttft, service, len(measured))
+    return Capacity(itl, ttft, service, len(measured), prior.batch)

@@ -7,7 +7,8 @@ from pathlib import Path
 import yaml
 
 from . import api
-from .render import Settings, Traffic, render_all
+from .render import Settings, render_all
+from .replicas import Traffic
 from .validate import InputProblems, check_against_profile, parse_profile, parse_serving
 
 

@@ -1,5 +1,5 @@
 """The operator's capacity prior (SPECSERVE_CAPACITY_PRIORS, the chart's capacityPriors): a performance block, the
-same a scenario carries (specserve_runtime.performance), as the autoscaler's points per speculator method."""
+same a scenario carries (specserve_runtime.performance), as the autoscaler's prior per speculator method."""
 
 from pathlib import Path
 
@@ -8,17 +8,17 @@ from pydantic import ValidationError
 from specserve_runtime.performance import METHODS, Performance
 
 from .autoscale import prior_points
-from .capacity import Point
+from .capacity import Prior
 from .validate import InputProblems, pydantic_problems
 
 
-def capacity_priors(performance: Performance) -> dict[str, list[Point]]:
+def capacity_priors(performance: Performance) -> dict[str, Prior]:
     """The autoscaler's capacity prior per method (render.Settings.capacity_priors) from performance tables."""
-    return {method: prior_points([row.model_dump(by_alias=True) for row in table.curve])
+    return {method: prior_points([row.model_dump(by_alias=True) for row in table.curve], table.max_concurrency)
             for method in METHODS if (table := getattr(performance, method)) is not None}
 
 
-def load_capacity_priors(path: Path) -> dict[str, list[Point]]:
+def load_capacity_priors(path: Path) -> dict[str, Prior]:
     """The operator's SPECSERVE_CAPACITY_PRIORS: a YAML `performance` block, as in a scenario.
     A file that cannot be used is an error naming it and the problem (the operator does not start)."""
     try:

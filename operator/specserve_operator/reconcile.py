@@ -14,9 +14,11 @@ from specserve_runtime.config import DEFAULT_PORT
 
 from . import api, autoscale
 from .analysis import Report
+from .capacity import Prior
 from .measure import MeasurementError, Pricing, ScrapeSource, Target, Window
-from .render import (CHILD_KINDS, Profile, Serving, Settings, Traffic, candidate_hash, planned_revisions, pods_to_keep, render_all,
-                     replica_budget, replica_ceiling, replica_room, revision_hash, revisions)
+from .render import CHILD_KINDS, Profile, Serving, Settings, render_all
+from .replicas import (Traffic, candidate_hash, planned_revisions, pods_to_keep, replica_budget, replica_ceiling, replica_room, revision_hash,
+                       revisions)
 from .rollout import Decision, Event, parse_time, timestamp
 from .rollout import tick as rollout_tick
 from .validate import check_against_profile, parse_profile, parse_serving
@@ -192,7 +194,7 @@ def autoscale_serving(cluster: Cluster, source, serving: Serving, profile: Profi
     measured = [r.hash for r in running] + [h for h in serving_now if h not in {r.hash for r in running}]
     windows, problem, measured_by = measure_interval(cluster, source, serving, profile, measured, deployments,
                                                      settings.autoscale_interval_seconds, fallback)
-    priors = {r.hash: settings.capacity_priors.get(r.speculator.method, ()) for r in running}
+    priors = {r.hash: settings.capacity_priors.get(r.speculator.method, Prior()) for r in running}
     status, scale = autoscale.tick(previous, windows, [r.hash for r in running], priors, spec, profile.spec, effective_slo(spec, profile), current,
                                    decision.stage == "Canary", now, settings.replica_startup_seconds)
     status = status.model_copy(update={"last_evaluation_time": timestamp(now), "measured_by": measured_by})
@@ -243,13 +245,16 @@ def serving_status(serving: Serving, profile: Profile, old_status: dict, generat
         }
 
     stable = revision_status(revs[0])
-    ready = is_ready(stable)
+    # Ready once the stable has every pod it is meant to have, not only those this pass could plan:
+    # fit_growth holds its growth back while older revisions' pods still hold the budget.
+    meant = max(revs[0].replicas, revisions(serving.spec, total, Traffic(decision.stage, decision.weight))[0].replicas)
+    ready = stable["readyReplicas"] >= meant
     others = [name for name in deployments if name != f"{serving.name}-{stable['revision']}"]
     conditions = old_status.get("conditions") or []
     conditions = set_condition(conditions, "SpecValid", True, "Valid", "", at)
     conditions = set_condition(
         conditions, "Ready", ready, "AllReplicasReady" if ready else "ReplicasNotReady",
-        f"{stable['readyReplicas']}/{stable['replicas']} replicas of revision {stable['revision']} ready", at,
+        f"{stable['readyReplicas']}/{meant} replicas of revision {stable['revision']} ready", at,
     )
     progressing = decision.stage == "Canary" or not ready
     conditions = set_condition(conditions, "Progressing", progressing, "Rollout" if decision.stage == "Canary" else "Steady", "", at)
@@ -336,7 +341,8 @@ def reconcile(cluster: Cluster, body: dict, settings: Settings, source, now: dat
     canary_ready = ready_replicas(deployments.get(f"{serving.name}-{candidate}")) if candidate else None
     stable_ready = ready_replicas(deployments.get(f"{serving.name}-{stable_hash}"))
     draining = draining_pods(cluster, serving)
-    room = replica_room(replica_ceiling(spec, profile.spec), draining, sum(spec_replicas(d) for d in deployments.values()))
+    ceiling = replica_ceiling(spec, profile.spec)
+    room = replica_room(ceiling, draining, sum(spec_replicas(d) for d in deployments.values()))
     wanted = replica_budget(spec, profile.spec, scaling.replicas)  # the autoscaler's count: without a start-up surge
     total = min(wanted, room)
     if total < wanted:
@@ -347,11 +353,13 @@ def reconcile(cluster: Cluster, body: dict, settings: Settings, source, now: dat
         replacing = f"{serving.name}-{candidate if decision.stage == 'Promoted' else stable_hash}"
         older = {name: d for name, d in deployments.items() if name != replacing}
         if older:
-            previous_pods = pods_to_keep(total, ready_replicas(deployments.get(replacing)),
-                                         sum(spec_replicas(d) for d in older.values()), room)
-            scale_older(cluster, serving.namespace, older, previous_pods, outcome)
+            previous_pods = sum(spec_replicas(d) for d in older.values())
+            keep = pods_to_keep(total, ready_replicas(deployments.get(replacing)), previous_pods, ceiling)
+            scale_older(cluster, serving.namespace, older, keep, outcome)
+    prefix = f"{serving.name}-"
+    held = {name.removeprefix(prefix): spec_replicas(d) for name, d in deployments.items()}
     traffic = Traffic(decision.stage, decision.weight, canary_ready=canary_ready, stable_ready=stable_ready,
-                      drain_candidate=decision.drain_candidate, previous_pods=previous_pods, room=room)
+                      drain_candidate=decision.drain_candidate, previous_pods=previous_pods, held=held, draining=draining)
     revs = planned_revisions(spec, profile.spec, scaling.replicas, traffic)
     canary_revision = revs[1].hash if len(revs) > 1 else None
     traffic = replace(traffic, stable_backend=stable_backend(serving, revs[0].hash, revs[0].replicas, deployments,
@@ -362,7 +370,7 @@ def reconcile(cluster: Cluster, body: dict, settings: Settings, source, now: dat
     outcome.status = serving_status(serving, profile, old_status, generation, existing, decision, revs, total, scaling, at)
     outcome.events += decision.events
     outcome.consumed_annotations = decision.consumed_annotations
-    for api_version, kind, name in plan_deletions(desired, existing, is_ready(outcome.status["stable"])):
+    for api_version, kind, name in plan_deletions(desired, existing, is_ready(outcome.status)):
         if cluster.delete(api_version, kind, serving.namespace, name):
             outcome.deleted.append(f"{kind}/{name}")
     return outcome
@@ -387,8 +395,9 @@ def children(cluster: Cluster, kind: tuple, name: str, namespace: str) -> list[d
     return [o for o in listed if (o.get("metadata", {}).get("labels") or {}).get("specserve.io/serving") == name]
 
 
-def is_ready(revision_status: dict) -> bool:
-    return revision_status["readyReplicas"] >= revision_status["replicas"]
+def is_ready(status: dict) -> bool:
+    """Whether serving_status found the stable revision ready with all the pods it is meant to have."""
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in status["conditions"])
 
 
 def is_serving(revision_status: dict) -> bool:

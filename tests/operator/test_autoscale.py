@@ -15,7 +15,7 @@ from specserve_operator.autoscale import (
     HEADROOM, UTILISATION_LIMIT, Demand, Limits, decide, demand_of, in_flight, limits, max_step_down, max_step_up,
     prior_points, tick, trend,
 )
-from specserve_operator.capacity import OBSERVATIONS, Point, fit
+from specserve_operator.capacity import OBSERVATIONS, Point, Prior, fit
 from specserve_operator.measure import Target, Window
 
 T0 = datetime.datetime(2026, 11, 23, 10, 0, 0, tzinfo=datetime.timezone.utc)
@@ -32,14 +32,14 @@ def rps(value: float) -> Demand:
 
 
 def capacity(points=LINEAR, measured=()):
-    return fit(list(measured), points)
+    return fit(list(measured), Prior(points))
 
 
 def test_capacity_fits_a_line_and_widens_with_little_evidence():
     model = capacity()
     assert model.itl.slope == pytest.approx(1.0) and model.itl.intercept == pytest.approx(10.0)
     assert model.margin == pytest.approx(0.5)  # prior only
-    many = fit([Point(2, 12.0)] * 15, LINEAR)
+    many = fit([Point(2, 12.0)] * 15, Prior(LINEAR))
     assert many.margin == pytest.approx(0.2)
     assert many.p99_inter_token_latency_ms(2) < model.p99_inter_token_latency_ms(2)
 
@@ -61,6 +61,22 @@ def test_requests_in_flight_follow_littles_law_on_the_mean_and_saturate():
     fewer_replicas = [in_flight(model, rate, TOKENS) for rate in (1.0, 2.0, 4.0)]
     assert fewer_replicas == sorted(fewer_replicas)  # more load per replica: more in flight, superlinearly
     assert fewer_replicas[2] > 4 * fewer_replicas[0]
+
+
+def test_a_replica_is_never_planned_near_the_engines_batch():
+    """Past the batch requests wait for a slot, a queue the lines through the points do not model:
+    the prior's batch bounds the load as UTILISATION_LIMIT bounds the utilisation."""
+    rows = [{"concurrency": c, "tokensPerSecondPerRequest": 1000 / (8.0 + 0.8 * (c - 1)), "ttftMs": 100} for c in (1, 9)]
+    unbounded = fit([], prior_points(rows, max_concurrency=256))
+    assert unbounded.batch == 256 and fit([], prior_points(rows)).batch == 9  # else the curve's highest concurrency
+    bounded = fit([], prior_points(rows, max_concurrency=8))
+    rate = 5.0  # 4 / 0.6 = 6.7 in flight: within 85% of a batch of 8 (6.8)
+    assert in_flight(bounded, rate, TOKENS) == pytest.approx(in_flight(unbounded, rate, TOKENS)) == pytest.approx(4.0 / 0.6)
+    assert in_flight(bounded, 5.2, TOKENS) is None and in_flight(unbounded, 5.2, TOKENS) is not None  # 7.2 in flight
+    slo = api.Slo(p99TimeToFirstTokenMs=10_000)
+    bounds = Limits(1, 20, None, 1.0)
+    assert decide(1, rps(20.0), [bounded], slo, bounds, NO_WAIT, [], T0).recommended > \
+        decide(1, rps(20.0), [unbounded], slo, bounds, NO_WAIT, [], T0).recommended
 
 
 def test_demand_is_the_arrived_requests_and_their_tokens_over_every_revision():
@@ -314,7 +330,7 @@ bounds_ = st.tuples(st.integers(1, 10), st.integers(1, 60), st.one_of(st.none(),
 @settings(max_examples=300, deadline=None)
 @given(demand=demands, slope=slopes, bounds=bounds_, current=st.integers(0, 80))
 def test_decisions_stay_within_bounds_and_the_budget(demand, slope, bounds, current):
-    model = fit([], [Point(c, 5 + slope * c) for c in (1, 4)])
+    model = fit([], Prior([Point(c, 5 + slope * c) for c in (1, 4)]))
     decision = decide(current, rps(demand), [model], SLO, bounds, NO_WAIT, [], T0)
     assert bounds.low <= decision.replicas <= bounds.high
     if bounds.budget_cap is not None:
@@ -327,7 +343,7 @@ def test_decisions_stay_within_bounds_and_the_budget(demand, slope, bounds, curr
 @given(low=demands, high=demands, slope=slopes)
 def test_more_demand_never_recommends_fewer_replicas(low, high, slope):
     low, high = min(low, high), max(low, high)
-    model = fit([], [Point(c, 5 + slope * c) for c in (1, 4)])
+    model = fit([], Prior([Point(c, 5 + slope * c) for c in (1, 4)]))
     bounds = Limits(1, 200, None, 1.0)
     fewer = decide(1, rps(low), [model], SLO, bounds, NO_WAIT, [], T0).recommended
     more = decide(1, rps(high), [model], SLO, bounds, NO_WAIT, [], T0).recommended

@@ -102,7 +102,8 @@ def test_monitoring_values_render_prometheus_url_pod_and_service_monitors(chart)
 
 def test_pod_monitor_selects_the_runtime_pods_the_operator_renders(chart, example_documents):
     """The PodMonitor's selector, port and relabelings fit the pods of every revision render.py makes."""
-    from specserve_operator.render import Settings, Traffic, render_all
+    from specserve_operator.render import Settings, render_all
+    from specserve_operator.replicas import Traffic
     from specserve_operator.validate import parse_profile, parse_serving
 
     by_kind = {d["kind"]: d for d in example_documents}
@@ -161,7 +162,7 @@ def test_every_option_on_renders_valid_objects_the_operator_can_read(chart, tmp_
     # The priors ConfigMap is what the operator loads at start-up (SPECSERVE_CAPACITY_PRIORS).
     config_map = by_kind["ConfigMap"]
     (path := tmp_path / "capacity-priors.yaml").write_text(config_map["data"]["capacity-priors.yaml"])
-    assert [p.in_flight_per_replica for p in load_capacity_priors(path)["dflash"]] == [0, 15]  # rows at concurrency 1 and 16
+    assert [p.in_flight_per_replica for p in load_capacity_priors(path)["dflash"].points] == [0, 15]  # rows at concurrency 1 and 16
     pod = by_kind["Deployment"]["spec"]["template"]["spec"]
     container = pod["containers"][0]
     env = {e["name"]: e["value"] for e in container["env"]}

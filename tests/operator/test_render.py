@@ -7,18 +7,9 @@ import pytest
 import yaml
 from jsonschema import validate as jsonschema_validate
 from specserve_operator.commands import RenderError, render_file
-from specserve_operator.render import (
-    Settings,
-    Traffic,
-    candidate_hash,
-    candidate_runtime,
-    pods_to_keep,
-    render_all,
-    replica_budget,
-    replica_room,
-    revision_hash,
-    split_replicas,
-)
+from specserve_operator.render import Settings, render_all
+from specserve_operator.replicas import (Traffic, candidate_hash, candidate_runtime, pods_to_keep, replica_budget, replica_room, revision_hash,
+                                         split_replicas)
 from specserve_operator.validate import check_against_profile, parse_profile, parse_serving
 
 from .conftest import EXAMPLE
@@ -486,15 +477,41 @@ def test_a_scale_up_waits_for_the_draining_pods_within_the_ceiling(example_docum
     serving, profile, _ = parsed(example_documents)
     spec = serving.spec.model_copy(update={"replicas": serving.spec.replicas.model_copy(update={"min": 1, "max": 8})})
     serving = serving.__class__(serving.name, serving.namespace, None, spec)
+    stable = revision_hash(spec.model, spec.speculator, spec.runtime)
+    canary = candidate_hash(spec)
 
     def replicas(wanted, traffic):
         return [d["spec"]["replicas"] for d in of_kind(render_all(serving, profile, Settings(), traffic, wanted), "Deployment")]
 
-    assert replicas(6, Traffic(room=None)) == [6]
-    assert replicas(6, Traffic(room=replica_room(8, 4, 2))) == [4]
-    assert replicas(1, Traffic(room=replica_room(8, 4, 2))) == [1]  # a scale-down is never held
-    # a starting canary's surge stays within the room too
-    assert replicas(4, Traffic("Canary", 50, canary_ready=0, room=5)) == [3, 2]
+    assert replicas(6, Traffic()) == [6]
+    assert replicas(6, Traffic(held={stable: 2}, draining=4)) == [4]  # 2 run, 4 drain: 2 more fit under 8
+    assert replicas(1, Traffic(held={stable: 2}, draining=4)) == [1]  # a scale-down is never held
+    assert replicas(8, Traffic(held={stable: 8}, draining=3)) == [8]  # nor a running pod removed for room
+    # a starting canary's surge stays within what the draining pods leave
+    assert replicas(4, Traffic("Canary", 50, canary_ready=0, held={stable: 4}, draining=3)) == [4, 1]
+    # a weight step at the wall: the stable's removed pods still drain, so the canary grows once they are gone
+    assert replicas(8, Traffic("Canary", 25, canary_ready=2, held={stable: 6, canary: 2})) == [6, 2]
+    assert replicas(8, Traffic("Canary", 50, canary_ready=2, held={stable: 6, canary: 2})) == [4, 2]
+    assert replicas(8, Traffic("Canary", 50, canary_ready=2, held={stable: 4, canary: 2}, draining=2)) == [4, 2]
+    assert replicas(8, Traffic("Canary", 50, canary_ready=2, held={stable: 4, canary: 2})) == [4, 4]
+
+
+def test_a_promotion_replaces_the_old_pods_one_at_a_time_at_the_wall(example_documents):
+    serving, profile, _ = parsed(example_documents)
+    spec = serving.spec.model_copy(update={"replicas": serving.spec.replicas.model_copy(update={"min": 4, "max": 4})})
+    serving = serving.__class__(serving.name, serving.namespace, None, spec)
+    new = candidate_hash(spec)
+
+    def replicas(previous_pods, held, draining=0):
+        traffic = Traffic("Promoted", previous_pods=previous_pods, held={new: held}, draining=draining)
+        return [d["spec"]["replicas"] for d in of_kind(render_all(serving, profile, traffic=traffic), "Deployment")]
+
+    # 4 replicas at most; the promoted revision holds 2 ready pods beside 2 old ones
+    assert pods_to_keep(4, 2, 2, 4) == 1  # one old pod makes way...
+    assert replicas(2, 2) == [2]  # ...but drains on its accelerator: nothing starts in this pass
+    assert pods_to_keep(4, 2, 1, 4) == 1  # while it drains, no second one goes
+    assert replicas(1, 2, draining=1) == [2]
+    assert replicas(1, 2) == [3]  # gone: its slot is the new revision's
 
 
 def test_a_promotion_starts_only_the_pods_the_budget_leaves_beside_the_previous_stables(example_documents):

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from specserve_operator import render, rollout
+from specserve_operator import replicas, rollout
 from specserve_operator.local import scenario as scenario_module
 from specserve_operator.local import fleet_model, simulate
-from specserve_operator.render import replica_budget, revision_hash
+from specserve_operator.replicas import replica_budget, revision_hash
 from specserve.cli import main
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "docs" / "scenarios"
@@ -105,7 +105,7 @@ def test_a_candidate_that_lost_only_on_speed_serves_until_the_stables_replacemen
     ready rather than at once (which left one stable pod carrying the load for a start-up)."""
     scenario = scenario_module.Scenario.model_validate(document("dflash-loses-at-high-concurrency"))
     spec = scenario.serving
-    stable, candidate = revision_hash(spec.model, spec.speculator, spec.runtime), render.candidate_hash(spec)
+    stable, candidate = revision_hash(spec.model, spec.speculator, spec.runtime), replicas.candidate_hash(spec)
     ticks = simulate.simulate(scenario, simulate.arrivals(scenario, scenario.seed), scenario.seed).ticks
     after = [t for t in ticks if t.stage != "Progressing"]
     assert after[0].stage == "RollingBack"
@@ -477,7 +477,8 @@ def test_the_operators_capacity_prior_file_is_a_performance_block(tmp_path):
     priors = load_capacity_priors(good)
     assert set(priors) == {"eagle3", "dflash"}
     # a request at concurrency 1 finds no other in flight; ms per token (p99 and mean alike), TTFT
-    assert priors["dflash"][0] == Point(0, 1000 / 230, 50, 1000 / 230)
+    assert priors["dflash"].points[0] == Point(0, 1000 / 230, 50, 1000 / 230)
+    assert priors["dflash"].batch == 32  # no maxConcurrency: the curve's highest concurrency
     bad = write(tmp_path, {"dflash": {"curve": [{"concurrency": 1, "tokensPerSecond": 5, "ttftMs": 1}]}}, "bad.yaml")
     with pytest.raises(InputProblems) as caught:
         load_capacity_priors(bad)

@@ -116,7 +116,8 @@ def test_the_performance_block_is_what_simulate_and_the_operator_read(tmp_path):
     write_performance(block, path := tmp_path / "performance.yaml")
     priors = load_capacity_priors(path)  # the operator's SPECSERVE_CAPACITY_PRIORS reads it as is
     # the row at concurrency 1: a request that finds none other in flight
-    assert priors["dflash"][0].in_flight_per_replica == 0 and priors["none"][0].p99_time_to_first_token_ms == 50.0
+    assert priors["dflash"].points[0].in_flight_per_replica == 0 and priors["none"].points[0].p99_time_to_first_token_ms == 50.0
+    assert priors["dflash"].batch == 1  # one sequence at a time: the autoscaler knows more would wait
 
 
 def test_emit_performance_refuses_two_variants_of_one_method_before_loading_anything(capsys, tmp_path):
@@ -246,7 +247,7 @@ def test_load_curves_become_a_performance_block_with_a_row_per_concurrency(tmp_p
         {"concurrency": 1, "tokensPerSecondPerRequest": 15.0, "ttftMs": 90.0},
         {"concurrency": 4, "tokensPerSecondPerRequest": 8.2, "ttftMs": 150.0}]}
     write_performance(block, path := tmp_path / "performance.yaml")
-    assert [point.in_flight_per_replica for point in load_capacity_priors(path)["none"]] == [0, 3]  # rows 1 and 4
+    assert [point.in_flight_per_replica for point in load_capacity_priors(path)["none"].points] == [0, 3]  # rows 1 and 4
     rendered = table(results)
     assert "| dflash:3 | 4 " in rendered and "1.10x" in rendered and "1.50x" in rendered  # against ar, level by level
 

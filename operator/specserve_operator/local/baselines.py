@@ -5,7 +5,7 @@ flight, and the HorizontalPodAutoscaler on requests per second.
 import math
 
 from .. import api, autoscale
-from ..render import replica_budget
+from ..replicas import replica_budget
 from .fleet import Fleet
 from .fleet_model import Curve, RevisionModel
 from .scenario import Scenario

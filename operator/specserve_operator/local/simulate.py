@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..reconcile import effective_slo
-from ..render import Profile, candidate_hash, replica_budget, revision_hash
+from ..render import Profile
+from ..replicas import candidate_hash, replica_budget, revision_hash
 from .baselines import BASELINES
 from .fleet import Fleet
 from .fleet_model import Arrival, Curve, RevisionModel, arrivals
