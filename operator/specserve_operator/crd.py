@@ -113,6 +113,7 @@ def speculative_serving_crd() -> dict:
         column("Phase", ".status.phase"),
         column("Canary", ".status.canary.weight", "integer"),
         column("Ready", ".status.stable.readyReplicas", "integer"),
+        column("Acceptance", ".status.metrics.acceptanceLength", "number"),
         column("Tokens/$", ".status.metrics.tokensPerDollar", "number"),
         column("Age", ".metadata.creationTimestamp", "date"),
     ]

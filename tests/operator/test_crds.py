@@ -41,6 +41,26 @@ def test_crds_are_valid_kubernetes_objects_with_subresources_and_columns():
     assert profiles["spec"]["scope"] == "Cluster"
 
 
+def printer_columns(kind: str) -> list[dict]:
+    crd = next(c for c in all_crds().values() if c["spec"]["names"]["kind"] == kind)
+    return crd["spec"]["versions"][0]["additionalPrinterColumns"]
+
+
+def test_every_printer_column_reads_a_field_of_its_schema_with_the_column_s_type():
+    """`kubectl get ssv` shows what a platform team watches: acceptance length and tokens per dollar beside the phase."""
+    types = {"string": "string", "integer": "integer", "number": "number", "date": "string"}
+    for kind in ("SpeculativeServing", "ServingProfile"):
+        for column in printer_columns(kind):
+            node = {"properties": {**crd_schema(kind)["properties"],
+                                   "metadata": {"properties": {"creationTimestamp": {"type": "string"}}}}}
+            for part in column["jsonPath"].strip(".").split("."):
+                node = node["properties"][part]
+            assert node["type"] == types[column["type"]], column
+    columns = {c["name"]: c["jsonPath"] for c in printer_columns("SpeculativeServing")}
+    assert columns["Acceptance"] == ".status.metrics.acceptanceLength"
+    assert columns["Tokens/$"] == ".status.metrics.tokensPerDollar"
+
+
 def _walk(schema: dict):
     yield schema
     for child in list((schema.get("properties") or {}).values()) + [schema.get("items"), schema.get("additionalProperties")]:
