@@ -21,5 +21,6 @@ def test_every_operator_module_is_either_a_controller_module_the_contracts_name_
     controller = set(next(c for c in contracts if "local tools" in c["name"])["source_modules"])
     package = PYPROJECT.parent / "operator" / "specserve_operator"
     modules = {f"specserve_operator.{path.stem}" for path in package.glob("*.py") if path.stem != "__init__"}
+    modules |= {f"specserve_operator.{path.parent.name}" for path in package.glob("*/__init__.py") if path.parent.name != "local"}
     assert modules == controller, modules ^ controller
     assert (package / "local" / "canary.py").is_file()

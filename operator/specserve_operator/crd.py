@@ -1,4 +1,4 @@
-"""CustomResourceDefinitions generated from the API models (api.py).
+"""CustomResourceDefinitions generated from the API models (api/).
 
 Pydantic writes JSON Schema (draft 2020-12); Kubernetes wants a structural OpenAPI v3 schema:
 no $ref, no anyOf for optional fields, int-or-string as an extension, boolean
@@ -150,7 +150,7 @@ class _NoAliases(yaml.SafeDumper):
 
 
 def render_yaml(crd: dict) -> str:
-    header = "# Generated from operator/specserve_operator/api.py by `specserve crds`; do not edit.\n"
+    header = "# Generated from operator/specserve_operator/api/ by `specserve crds`; do not edit.\n"
     return header + yaml.dump(crd, Dumper=_NoAliases, sort_keys=False)
 
 
@@ -173,12 +173,12 @@ _REFERENCE_COLUMNS = "| field | type | default | constraints | description |\n| 
 def reference_markdown() -> str:
     """docs/configuration.md: every field of both kinds, from the generated CRDs' openAPIV3Schema.
 
-    Rendered from the CRDs rather than from api.py so that it states exactly what the API server
+    Rendered from the CRDs rather than from api/ so that it states exactly what the API server
     enforces (defaults, bounds, patterns, CEL rules); a test keeps the committed file equal to it.
     """
     parts = [
         "# Configuration reference",
-        (f"Generated from the CRD schemas (`operator/specserve_operator/api.py`) by `{REFERENCE_COMMAND}`;"
+        (f"Generated from the CRD schemas (`operator/specserve_operator/api/`) by `{REFERENCE_COMMAND}`;"
          " do not edit by hand. What the fields do: README.md (The operator, Canary rollouts,"
          " Autoscaling) and [operations.md](operations.md)."),
         ("A type `[]T` is a list, `map[string]T` an object with free keys. A default of `{}` on an object means"

@@ -33,7 +33,7 @@ def field_paths(schema: dict, path: str):
 
 def test_every_field_of_the_schemas_is_in_the_reference():
     # Walks the schema independently of reference_markdown, so a field the renderer skipped fails
-    # here as well as one added to api.py without regenerating the file.
+    # here as well as one added to api/ without regenerating the file.
     reference = REFERENCE.read_text()
     for crd in all_crds().values():
         schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]

@@ -1,7 +1,7 @@
 """The scenario file of `specserve simulate`: typed models and loading (docs/simulator.md is the contract).
 
 Every model forbids unknown keys, so a misspelt key is an error naming its path. `profile` and
-`serving` are validated by the CRD's own models (api.py), and the serving is checked against the
+`serving` are validated by the CRD's own models (api/), and the serving is checked against the
 profile as the operator checks it (validate.check_against_profile), so a scenario the operator
 would mark Invalid is refused before anything is simulated.
 """
