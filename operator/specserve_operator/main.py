@@ -15,7 +15,7 @@ from prometheus_client import Counter, Gauge
 from . import api
 from .apply import Cluster
 from .measure import PrometheusSource, ScrapeSource
-from .reconcile import Outcome, cleanup, reconcile
+from .reconcile import Outcome, cleanup, condition_true, reconcile
 from .render import Settings
 from .priors import load_capacity_priors
 from .validate import InputProblems
@@ -63,6 +63,13 @@ ANALYSES = Counter("specserve_operator_analyses", "Canary analysis intervals by 
 GATES = Counter("specserve_operator_analysis_gates", "Canary analysis gate results", ["gate", "verdict"])
 STEP = Gauge("specserve_operator_rollout_step", "Current canary step (-1: no canary)", ["namespace", "serving"])
 DESIRED = Gauge("specserve_operator_desired_replicas", "Replicas the autoscaler decided", ["namespace", "serving"])
+SPECULATION_DEGRADED = Gauge("specserve_operator_speculation_degraded",
+                             "1 while the live revision's speculation no longer pays (condition SpeculationDegraded)", ["namespace", "serving"])
+ACCEPTANCE_RATIO = Gauge("specserve_operator_acceptance_ratio",
+                         "The live revision's acceptance length over its baseline, last analysis", ["namespace", "serving"])
+SPEEDUP = Gauge("specserve_operator_speculation_speedup",
+                "Plain decoding's predicted time per token at the load measured over the live revision's, last analysis",
+                ["namespace", "serving"])
 
 
 @kopf.on.startup()
@@ -145,6 +152,11 @@ async def _reconcile_and_report(namespace: str, name: str, uid: str | None, memo
     STEP.labels(namespace, name).set(canary["step"] if canary else -1)
     if outcome.status.get("autoscaling"):
         DESIRED.labels(namespace, name).set(outcome.status["autoscaling"].get("desiredReplicas") or 0)
+    SPECULATION_DEGRADED.labels(namespace, name).set(condition_true(outcome.status, "SpeculationDegraded"))
+    last = (outcome.status.get("speculation") or {}).get("lastAnalysis") or {}
+    for gauge, key in ((ACCEPTANCE_RATIO, "acceptanceRatio"), (SPEEDUP, "speedup")):
+        if key in last:
+            gauge.labels(namespace, name).set(last[key])
 
 
 @kopf.on.resume(*SERVINGS)

@@ -12,12 +12,12 @@ from typing import Protocol
 
 from specserve_runtime.config import DEFAULT_PORT
 
-from . import api, autoscale
+from . import api, autoscale, health
 from .analysis import Report
-from .capacity import Prior
+from .capacity import Prior, fit
 from .measure import MeasurementError, Pricing, ScrapeSource, Target, Window
 from .render import CHILD_KINDS, Profile, Serving, Settings, render_all
-from .replicas import (Traffic, candidate_hash, planned_revisions, pods_to_keep, replica_budget, replica_ceiling, replica_room, revision_hash,
+from .replicas import (Revision, Traffic, candidate_hash, planned_revisions, pods_to_keep, replica_budget, replica_ceiling, replica_room, revision_hash,
                        revisions)
 from .rollout import Decision, Event, parse_time, timestamp
 from .rollout import tick as rollout_tick
@@ -211,6 +211,37 @@ def autoscale_serving(cluster: Cluster, source, serving: Serving, profile: Profi
     return result
 
 
+def speculation_health(cluster: Cluster, source, serving: Serving, profile: Profile, settings: Settings, old_status: dict,
+                       stage: str, live: Revision, deployments: dict[str, dict], now: datetime.datetime,
+                       ) -> tuple[api.SpeculationStatus | None, tuple[bool, str, str] | None, list[Event]]:
+    """The live revision's continuous analysis (health.py) when it speculates and runs without a canary:
+    status.speculation, the SpeculationDegraded condition (None: leave it as it is) and the Events of a change.
+    Measured through the source alone, as a canary is: an outage holds the analysis and never degrades."""
+    spec = serving.spec.speculation_health
+    previous = api.SpeculationStatus.model_validate(old_status["speculation"]) if old_status.get("speculation") else None
+    if not spec.enabled or live.speculator.method == "none":
+        return None, (False, "Disabled" if not spec.enabled else "NotSpeculating", ""), []
+    was = health.is_degraded(previous, spec)
+    due = previous is None or previous.last_evaluation_time is None or \
+        (now - parse_time(previous.last_evaluation_time)).total_seconds() >= spec.interval_seconds
+    if stage not in ("Stable", "Promoted") or not due:
+        return previous, None, []
+    (window,), _, _ = measure_interval(cluster, source, serving, profile, [live.hash], deployments, spec.interval_seconds)
+    prior = settings.capacity_priors.get("none")
+    plain = fit([], prior) if prior is not None and prior.points else None
+    status = health.assess(previous, live.hash, window, spec, plain, timestamp(now))
+    degraded = health.is_degraded(status, spec)
+    analysis = status.last_analysis
+    figures = "; ".join(analysis.reasons)
+    message = f"revision {live.hash} ({live.speculator.method}): {analysis.verdict}: {figures}"
+    events = []
+    if degraded and not was:
+        events.append(Event("Warning", "SpeculationDegraded", f"{status.degraded_analyses} degraded analyses in a row, {message}"))
+    elif was and not degraded:
+        events.append(Event("Normal", "SpeculationRecovered", message))
+    return status, (degraded, "Degraded" if degraded else analysis.verdict, message), events
+
+
 def draining_pods(cluster: Cluster, serving: Serving) -> int:
     """The serving's pods that terminate (deletionTimestamp set): still on their accelerators. The
     label is checked here too, as in `children`."""
@@ -364,13 +395,20 @@ def reconcile(cluster: Cluster, body: dict, settings: Settings, source, now: dat
     canary_revision = revs[1].hash if len(revs) > 1 else None
     traffic = replace(traffic, stable_backend=stable_backend(serving, revs[0].hash, revs[0].replicas, deployments,
                                                              canary_revision))
+    speculation, degraded, health_events = speculation_health(cluster, source, serving, profile, settings, old_status,
+                                                              decision.stage, revs[0], deployments, now)
     desired = render_all(serving, profile, settings, traffic, scaling.replicas)
     for obj in desired:
         outcome.applied[f"{obj['kind']}/{obj['metadata']['name']}"] = cluster.apply(obj)
     outcome.status = serving_status(serving, profile, old_status, generation, existing, decision, revs, total, scaling, at)
-    outcome.events += decision.events
+    outcome.status["speculation"] = speculation.model_dump(by_alias=True, exclude_none=True) if speculation else None
+    if degraded is not None:
+        outcome.status["conditions"] = set_condition(outcome.status["conditions"], "SpeculationDegraded", *degraded, at)
+    if outcome.status["phase"] == "Serving" and condition_true(outcome.status, "SpeculationDegraded"):
+        outcome.status["phase"] = "Degraded"  # serving, but its speculation no longer pays
+    outcome.events += decision.events + health_events
     outcome.consumed_annotations = decision.consumed_annotations
-    for api_version, kind, name in plan_deletions(desired, existing, is_ready(outcome.status)):
+    for api_version, kind, name in plan_deletions(desired, existing, condition_true(outcome.status, "Ready")):
         if cluster.delete(api_version, kind, serving.namespace, name):
             outcome.deleted.append(f"{kind}/{name}")
     return outcome
@@ -395,9 +433,8 @@ def children(cluster: Cluster, kind: tuple, name: str, namespace: str) -> list[d
     return [o for o in listed if (o.get("metadata", {}).get("labels") or {}).get("specserve.io/serving") == name]
 
 
-def is_ready(status: dict) -> bool:
-    """Whether serving_status found the stable revision ready with all the pods it is meant to have."""
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in status["conditions"])
+def condition_true(status: dict, type_: str) -> bool:
+    return any(c["type"] == type_ and c["status"] == "True" for c in status["conditions"])
 
 
 def is_serving(revision_status: dict) -> bool:

@@ -61,7 +61,10 @@ async def test_create_renders_children_with_owner_references_and_status(operator
     assert status["stable"]["revision"] == deployments[0].removeprefix("qwen3-8b-")
     assert status["replicas"] == 2 and status["selector"] == "specserve.io/serving=qwen3-8b"
     conditions = {c["type"]: c["status"] for c in status["conditions"]}
-    assert conditions == {"SpecValid": "True", "Ready": "False", "Progressing": "True", "BudgetLimited": "False"}
+    assert conditions == {"SpecValid": "True", "Ready": "False", "Progressing": "True", "BudgetLimited": "False",
+                          "SpeculationDegraded": "False"}
+    # The live revision's continuous analysis ran, and had nothing to judge: no pod is ready.
+    assert status["speculation"]["lastAnalysis"]["reasons"] == ["data: no ready replicas"]
 
 
 def requests_to(emulator, method, resource):

@@ -74,7 +74,9 @@ def test_the_five_scenarios_are_shipped():
 def test_never_above_the_budget_and_every_run_reports_the_same_keys(name):
     result = result_of(name)
     budget = document(name)["profile"]["limits"]["maxHourlyCostUSD"]
-    assert SUMMARY_KEYS | {"decision", "decisionAtSeconds", "seed", "baselines"} == set(result)
+    assert SUMMARY_KEYS | {"decision", "decisionAtSeconds", "speculationDegradedAtSeconds", "seed", "baselines"} == set(result)
+    if not any(fault["kind"] == "drift" for fault in document(name).get("faults") or []):
+        assert result["speculationDegradedAtSeconds"] is None  # the live revision's speculation pays throughout
     assert set(result["baselines"]) == {"staticPeak", "inFlight", "hpaRequestRate"}
     for summary in [result, *result["baselines"].values()]:
         assert SUMMARY_KEYS <= set(summary)
@@ -114,6 +116,21 @@ def test_a_candidate_that_lost_only_on_speed_serves_until_the_stables_replacemen
     assert kept == sorted(kept, reverse=True) and kept[-1] == 0  # it never grows, and it goes
     for tick in after:  # never more than the stable pods still starting
         assert tick.desired.get(candidate, 0) <= max(tick.desired[stable] - tick.ready.get(stable, 0), 0)
+
+
+def test_a_drift_degrades_the_speculation_in_every_seed_within_its_sustained_analyses_and_never_before():
+    """Acceptance falls from 4.2 to 1.4 at 1800 s: SpeculationDegraded after sustainedAnalyses degraded analyses
+    (the windows that straddle the drift, or queue behind it, judge acceptance all the same), not before it."""
+    doc = document("drift-acceptance-falls")
+    (drift,), health = doc["faults"], doc["serving"]["speculationHealth"]
+    degraded = five_seeds_of("drift-acceptance-falls")["speculationDegradedAtSeconds"]
+    assert degraded["seeds"] == 5
+    latest = drift["atSeconds"] + (health["sustainedAnalyses"] + 1) * health["intervalSeconds"]
+    assert drift["atSeconds"] < degraded["min"] and degraded["max"] <= latest
+    scenario = scenario_module.Scenario.model_validate(doc)
+    run_ = simulate.simulate(scenario, simulate.arrivals(scenario, scenario.seed), scenario.seed)
+    assert {t.stage for t in run_.ticks if t.t < run_.degraded_at} <= {"Serving", "Pending"}
+    assert {t.stage for t in run_.ticks if t.t >= run_.degraded_at} == {"Degraded", "Pending"}  # Pending: scaling up
 
 
 @pytest.mark.parametrize("name", ["prometheus-outage-mid-step", "operator-restart-mid-step"])
@@ -388,7 +405,7 @@ def test_measured_windows_follow_the_curve_and_littles_law():
     assert window.tokens_per_second == pytest.approx(200, rel=0.05)
     assert window.finished_requests == pytest.approx(2000, rel=0.05)
     assert window.p99_inter_token_latency_ms == pytest.approx(10, rel=0.2)  # lognormal noise, sigma 0.05
-    assert window.acceptance_length == 2.5
+    assert window.acceptance_length == pytest.approx(2.5)  # decoded tokens over their verify steps
     assert fleet.window(revision, 60, 1200, missing="prometheus outage").missing == "prometheus outage"
 
 
@@ -430,6 +447,8 @@ def bad(tmp_path, change) -> tuple[int, str, str]:
      "serving.rollout.candidate.speculator.draftModel"),
     (lambda d: d["performance"]["eagle3"].update(acceptance=3), "performance.eagle3.acceptance"),
     (lambda d: d.update(faults=[{"atSeconds": 5, "kind": "diskFull"}]), "faults[0].kind"),
+    (lambda d: d.update(faults=[{"atSeconds": 5, "kind": "drift", "method": "dflash"}]), "faults[0].performance"),
+    (lambda d: d.update(faults=[{"atSeconds": 5, "kind": "nodeLoss", "method": "dflash"}]), "faults[0].method"),
     (lambda d: d["profile"]["limits"].update(allowedMethods=["eagle3"]), "serving.rollout.candidate.speculator.method"),
     (lambda d: d["performance"]["eagle3"]["curve"].reverse(), "performance.eagle3.curve[1].concurrency"),
 ])

@@ -215,6 +215,19 @@ class Autoscaling(Model):
     scale_down_stabilization_seconds: int = Field(300, ge=0, le=3600)
 
 
+class SpeculationHealth(Model):
+    """Continuous analysis of the live revision once no canary runs (health.py): each interval its acceptance
+    length against the baseline recorded as it went live, and its time per token against what plain decoding
+    would take at the load measured; a sustained fall sets the condition SpeculationDegraded."""
+
+    enabled: bool = True
+    interval_seconds: int = Field(60, ge=10, le=3600)
+    min_acceptance_ratio: float = Field(0.8, gt=0, le=1, description="acceptance length / the revision's baseline at least this")
+    min_speedup: float = Field(1.0, gt=0, le=10, description="plain decoding's time per token at the load measured (the "
+                               "capacity prior of method none) / the measured, at least this; not judged without that prior")
+    sustained_analyses: int = Field(3, ge=1, le=100, description="degraded analyses in a row that set SpeculationDegraded")
+
+
 class ParentRef(Model):
     name: str = Field(min_length=1)
     namespace: str | None = None
@@ -342,6 +355,7 @@ class SpeculativeServingSpec(Model):
     autoscaling: Autoscaling = Autoscaling()
     traffic: Traffic = Traffic()
     rollout: Rollout | None = None
+    speculation_health: SpeculationHealth = SpeculationHealth()
 
     @model_validator(mode="after")
     def _embedded_only_on_the_embedded_engine(self):

@@ -122,6 +122,31 @@ class AutoscalingStatus(Model):
     demand_history: list[DemandPoint] = Field([], description="measured demand over the trend window, oldest first")
 
 
+class SpeculationAnalysis(Model):
+    """One interval of the live revision's continuous analysis (health.py)."""
+
+    at: str
+    verdict: Literal["Healthy", "Degraded", "Inconclusive"]
+    acceptance_length: float | None = None
+    acceptance_ratio: float | None = Field(None, description="acceptance length / the baseline")
+    speedup: float | None = Field(None, description="plain decoding's predicted time per token at the load measured / the measured")
+    in_flight_per_replica: float | None = None
+    tokens_per_second_per_replica: float | None = None
+    tokens_per_dollar: float | None = None
+    reasons: list[str] = []
+
+
+class SpeculationStatus(Model):
+    """The live revision's continuous analysis: its baseline and its last analysis, so a restart resumes."""
+
+    revision: str
+    baseline_acceptance_length: float | None = Field(None, description="the mean over its first analyses with data")
+    baseline_analyses: int = Field(0, description="analyses in the baseline so far")
+    degraded_analyses: int = Field(0, description="degraded analyses in a row (inconclusive ones neither count nor interrupt)")
+    last_evaluation_time: str | None = None
+    last_analysis: SpeculationAnalysis | None = None
+
+
 Phase = Literal["Pending", "Serving", "Progressing", "Promoting", "RollingBack", "Degraded", "Invalid"]
 
 
@@ -134,6 +159,7 @@ class SpeculativeServingStatus(Model):
     last_rollout: RolloutRecord | None = None
     metrics: MetricsStatus | None = None
     autoscaling: AutoscalingStatus | None = None
+    speculation: SpeculationStatus | None = None
     replicas: int = 0
     selector: str = ""
 

@@ -113,7 +113,19 @@ class Fleet:
                 tokens = rate * span * decoding
                 b.tokens += tokens
                 b.itl[rate] = b.itl.get(rate, 0.0) + tokens
+                if pod.model.acceptance_length:
+                    b.decoded += tokens
+                    b.steps += tokens / pod.model.acceptance_length
             t0 = edge
+
+    def drift(self, models: dict[str, RevisionModel], t: float) -> None:
+        """From `t` the revisions in `models` perform as these say (a drift fault): their pods too."""
+        self.models.update(models)
+        for pod in self.live:
+            if pod.model.hash in models:
+                self.account(pod, t)
+                pod.model = models[pod.model.hash]
+                self.reschedule(pod, t)
 
     def reschedule(self, pod: Pod, t: float) -> None:
         pod.rate = pod.model.curve.rate(pod.running) if pod.running else 0.0
@@ -289,6 +301,8 @@ class Fleet:
                 if b is None:
                     continue
                 total.tokens += b.tokens
+                total.decoded += b.decoded
+                total.steps += b.steps
                 for speed, tokens in b.itl.items():
                     total.itl[speed] = total.itl.get(speed, 0.0) + tokens
                 total.ttfts += b.ttfts
@@ -312,7 +326,6 @@ class Fleet:
         b = self.gather([revision], now - seconds, now)
         if b.tokens == 0 and b.finished == 0:
             return Window.no_data(target, seconds, "no traffic in the window")
-        model = self.models[revision]
         itl, ttft = weighted_p99(b.itl), p99(b.ttfts)
         return Window(
             revision=revision,
@@ -322,7 +335,7 @@ class Fleet:
             generated_tokens=b.tokens,
             p99_inter_token_latency_ms=None if itl is None else itl * self.measurement_noise(),
             p99_time_to_first_token_ms=None if ttft is None else 1000 * ttft * self.measurement_noise(),
-            acceptance_length=model.acceptance_length,
+            acceptance_length=b.decoded / b.steps if b.steps else None,
             finished_requests=float(b.finished),
             arrived_requests=float(b.arrivals),
             error_rate=b.errors / b.finished if b.finished else None,

@@ -153,10 +153,11 @@ class Pod:
 class Bin:
     """One revision over one second of simulated time."""
 
-    __slots__ = ("arrivals", "errors", "finished", "in_system", "itl", "tokens", "ttfts", "waiting")
+    __slots__ = ("arrivals", "decoded", "errors", "finished", "in_system", "itl", "steps", "tokens", "ttfts", "waiting")
 
     def __init__(self):
         self.tokens = 0.0
+        self.decoded = self.steps = 0.0  # tokens of verify steps, and the steps (a speculating revision's acceptance)
         self.itl: dict[float, float] = {}  # tokens/s per request -> tokens generated at that speed
         self.ttfts: list[float] = []  # seconds
         self.finished = self.errors = self.arrivals = 0

@@ -73,13 +73,28 @@ class Load(Strict):
         return max(self.rate(t) for t in times)
 
 
-FaultKind = Literal["prometheusOutage", "operatorRestart", "nodeLoss"]
+FaultKind = Literal["prometheusOutage", "operatorRestart", "nodeLoss", "drift"]
 
 
 class Fault(Strict):
+    """prometheusOutage, operatorRestart, nodeLoss: for duration_seconds. drift: from at_seconds to the end, the
+    traffic has moved and `method` performs as `performance` says (its acceptance length and curve)."""
+
     at_seconds: float = Field(ge=0)
     kind: FaultKind
     duration_seconds: float = Field(0.0, ge=0)
+    method: api.Method | None = None
+    performance: MethodPerformance | None = None
+
+    @model_validator(mode="after")
+    def _drift_names_what_drifts(self):
+        drift = self.kind == "drift"
+        for name in ("method", "performance"):
+            if drift and getattr(self, name) is None:
+                raise ValueError(f"{name}: required by a drift")
+            if not drift and getattr(self, name) is not None:
+                raise ValueError(f"{name}: only a drift takes it")
+        return self
 
     def active(self, t: float) -> bool:
         return self.at_seconds <= t < self.at_seconds + self.duration_seconds

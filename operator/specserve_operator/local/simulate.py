@@ -39,6 +39,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specserve_runtime.performance import MethodPerformance
+
 from ..reconcile import effective_slo
 from ..render import Profile
 from ..replicas import candidate_hash, replica_budget, revision_hash
@@ -57,6 +59,7 @@ class Run:
     ticks: list[TickRecord] = field(default_factory=list)
     decision: str | None = None
     decision_at: float | None = None
+    degraded_at: float | None = None  # the first SpeculationDegraded Event
 
 
 def revision_models(scenario: Scenario) -> dict[str, RevisionModel]:
@@ -64,13 +67,12 @@ def revision_models(scenario: Scenario) -> dict[str, RevisionModel]:
     pairs = [(revision_hash(spec.model, spec.speculator, spec.runtime), spec.speculator.method)]
     if spec.rollout is not None:
         pairs.append((candidate_hash(spec), spec.rollout.candidate.speculator.method))
-    models = {}
-    for revision, method in pairs:
-        performance = scenario.performance_of(method)
-        models[revision] = RevisionModel(revision, method, Curve(performance),
-                                         None if method == "none" else performance.acceptance_length,
-                                         performance.error_rate)
-    return models
+    return {revision: revision_model(revision, method, scenario.performance_of(method)) for revision, method in pairs}
+
+
+def revision_model(revision: str, method: str, performance: MethodPerformance) -> RevisionModel:
+    return RevisionModel(revision, method, Curve(performance), None if method == "none" else performance.acceptance_length,
+                         performance.error_rate)
 
 
 def tick_times(scenario: Scenario) -> list[float]:
@@ -95,12 +97,16 @@ def simulate(scenario: Scenario, requests: list[Arrival], seed: int, controller=
     operator = None
     if controller is None:
         operator = Operator(scenario, fleet)
-    losses = sorted((f for f in scenario.faults if f.kind == "nodeLoss"), key=lambda f: f.at_seconds)
+    changes = sorted((f for f in scenario.faults if f.kind in ("nodeLoss", "drift")), key=lambda f: f.at_seconds)
     for now_s in tick_times(scenario):
-        while losses and losses[0].at_seconds <= now_s:
-            fault = losses.pop(0)
+        while changes and changes[0].at_seconds <= now_s:
+            fault = changes.pop(0)
             fleet.advance_to(fault.at_seconds)
-            fleet.node_loss(fault.at_seconds, fault.duration_seconds)
+            if fault.kind == "nodeLoss":
+                fleet.node_loss(fault.at_seconds, fault.duration_seconds)
+            else:
+                fleet.drift({m.hash: revision_model(m.hash, m.method, fault.performance)
+                             for m in models.values() if m.method == fault.method}, fault.at_seconds)
         fleet.advance_to(now_s)
         if operator is not None:
             if any(f.kind == "operatorRestart" and f.active(now_s) for f in scenario.faults):
@@ -114,6 +120,8 @@ def simulate(scenario: Scenario, requests: list[Arrival], seed: int, controller=
                 for event in events:
                     if event.reason in ROLLOUT_ENDS and run.decision is None:
                         run.decision, run.decision_at = ROLLOUT_ENDS[event.reason], now_s
+                    if event.reason == "SpeculationDegraded" and run.degraded_at is None:
+                        run.degraded_at = now_s
         else:
             current = sum(fleet.desired.values())
             wanted, limited = controller.tick(fleet, now_s, current)
@@ -164,6 +172,7 @@ def run_all(scenario: Scenario, seed: int, on_tick=None) -> tuple[dict, Run]:
     result = summary(main, scenario)
     result["decision"] = main.decision
     result["decisionAtSeconds"] = main.decision_at
+    result["speculationDegradedAtSeconds"] = main.degraded_at
     result["seed"] = seed
     models = revision_models(scenario)
     stable = models[revision_hash(scenario.serving.model, scenario.serving.speculator, scenario.serving.runtime)]
@@ -272,6 +281,7 @@ def across_seeds(scenario: Scenario, seeds: int, out=None) -> dict:
 
     decisions = [r["decision"] for r in results]
     times = [r["decisionAtSeconds"] for r in results if r["decisionAtSeconds"] is not None]
+    degraded = [r["speculationDegradedAtSeconds"] for r in results if r["speculationDegradedAtSeconds"] is not None]
     return {
         "seeds": seeds,
         "sloAttainment": {"min": min(r["sloAttainment"] for r in results),
@@ -285,6 +295,7 @@ def across_seeds(scenario: Scenario, seeds: int, out=None) -> dict:
         "maxHourlyCostUSD": max(r["maxHourlyCostUSD"] for r in results),
         "decisions": {str(d): decisions.count(d) for d in sorted(set(decisions), key=str)},
         "decisionAtSeconds": {"min": min(times), "max": max(times)} if times else None,
+        "speculationDegradedAtSeconds": {"seeds": len(degraded), "min": min(degraded), "max": max(degraded)} if degraded else None,
         "baselineSloAttainment": {name: median_of([r["baselines"][name]["sloAttainment"] for r in results])
                                   for name in results[0]["baselines"]},
     }

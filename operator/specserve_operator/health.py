@@ -1,0 +1,92 @@
+"""Continuous analysis of the live revision, pure: does its speculation still pay?
+
+A canary proves a drafter on the traffic of its analysis window. Afterwards the traffic can drift
+(a new domain, longer prompts, more concurrency) and speculation can come to cost more than it
+saves. Every spec.speculationHealth.intervalSeconds, once no canary runs, the operator measures
+the live revision and `assess` compares the window with two references:
+
+- acceptanceRatio: its acceptance length over its baseline, the mean over its first
+  BASELINE_ANALYSES windows with data as the live revision (kept in status.speculation, so a
+  restarted operator keeps it). Below minAcceptanceRatio the drafter no longer matches the traffic.
+- speedup: the mean time per generated token that plain decoding would take at the load measured
+  (the capacity prior of method none: capacity.py's service line at the window's requests in
+  flight per replica) over the time measured (Window.ms_per_token). Below minSpeedup speculation
+  costs more than it saves at this load, whatever its acceptance: acceptance can stay flat while
+  more concurrency makes each verify step dearer. Without a prior for none it is not judged.
+
+A window without data or with fewer than MIN_GENERATED_TOKENS is Inconclusive: it neither counts
+nor clears, so a Prometheus outage never degrades a serving. A saturated window (its requests
+mostly queued beyond the engine's batch) measures the backlog, not the speculation: its speed is
+not judged, its acceptance is. sustainedAnalyses degraded analyses in a row set
+SpeculationDegraded; one healthy analysis clears it.
+"""
+
+import math
+
+from . import api
+from .analysis import MIN_GENERATED_TOKENS
+from .autoscale import saturated
+from .capacity import Capacity
+from .measure import Window
+
+BASELINE_ANALYSES = 3  # windows with data whose mean acceptance length is a revision's baseline
+
+
+def _unusable(window: Window) -> str | None:
+    if window.missing:
+        return window.missing
+    if (window.generated_tokens or 0) < MIN_GENERATED_TOKENS:
+        return f"generated {math.floor(window.generated_tokens or 0)} tokens < {MIN_GENERATED_TOKENS}"
+    return None
+
+
+def assess(previous: api.SpeculationStatus | None, revision: str, window: Window, health: api.SpeculationHealth,
+           plain: Capacity | None, at: str) -> api.SpeculationStatus:
+    """The live revision's speculation status after one more window: the baseline grown, the analysis, the count."""
+    if previous is None or previous.revision != revision:
+        previous = api.SpeculationStatus(revision=revision)  # a new live revision: a new baseline
+    status = previous.model_copy(update={"last_evaluation_time": at})
+    problem = _unusable(window)
+    if problem:
+        analysis = api.SpeculationAnalysis(at=at, verdict="Inconclusive", reasons=[f"data: {problem}"])
+        return status.model_copy(update={"last_analysis": analysis})
+
+    baseline, count = previous.baseline_acceptance_length, previous.baseline_analyses
+    acceptance = window.acceptance_length
+    if count < BASELINE_ANALYSES and acceptance is not None:
+        baseline, count = ((baseline or 0.0) * count + acceptance) / (count + 1), count + 1
+    reasons, degraded = [], False
+    ratio = acceptance / baseline if acceptance is not None and baseline else None
+    if ratio is not None and count >= BASELINE_ANALYSES:
+        ok = ratio >= health.min_acceptance_ratio
+        reasons.append(f"acceptanceRatio: {ratio:.2f} {'>=' if ok else '<'} {health.min_acceptance_ratio:g} "
+                       f"(acceptance length {acceptance:.2f}, baseline {baseline:.2f})")
+        degraded |= not ok
+    elif acceptance is not None:
+        reasons.append(f"acceptanceRatio: baseline from {count} of {BASELINE_ANALYSES} analyses")
+    speedup = None
+    measured, load = window.ms_per_token, window.in_flight_per_replica
+    if plain is not None and saturated(window):
+        reasons.append("speedup: not judged: requests mostly queued beyond the engine's batch (the window measures the backlog)")
+    elif plain is not None and measured and load is not None:
+        predicted = plain.service.at(load)
+        speedup = predicted / measured
+        ok = speedup >= health.min_speedup
+        reasons.append(f"speedup: {speedup:.2f}x {'>=' if ok else '<'} {health.min_speedup:g}x (plain decoding "
+                       f"{predicted:.3g} ms per token at {load:.2f} in flight per replica, measured {measured:.3g})")
+        degraded |= not ok
+    judged = speedup is not None or (ratio is not None and count >= BASELINE_ANALYSES)
+    verdict = "Degraded" if degraded else "Healthy" if judged else "Inconclusive"
+    per_replica = window.tokens_per_second / window.ready_replicas if window.tokens_per_second and window.ready_replicas else None
+    analysis = api.SpeculationAnalysis(
+        at=at, verdict=verdict, acceptance_length=acceptance, acceptance_ratio=ratio, speedup=speedup,
+        in_flight_per_replica=load, tokens_per_second_per_replica=per_replica, tokens_per_dollar=window.tokens_per_dollar,
+        reasons=reasons)
+    # An Inconclusive analysis keeps the count: a hole in the evidence, as in a canary (rollout.decide).
+    degraded_analyses = {"Degraded": previous.degraded_analyses + 1, "Healthy": 0}.get(verdict, previous.degraded_analyses)
+    return status.model_copy(update={"baseline_acceptance_length": baseline, "baseline_analyses": count,
+                                     "degraded_analyses": degraded_analyses, "last_analysis": analysis})
+
+
+def is_degraded(status: api.SpeculationStatus | None, health: api.SpeculationHealth) -> bool:
+    return status is not None and status.degraded_analyses >= health.sustained_analyses

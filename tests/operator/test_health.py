@@ -1,0 +1,99 @@
+"""The live revision's continuous analysis, pure: a baseline as it goes live, a sustained fall of
+acceptance or of speed against plain decoding degrades it, an outage never does."""
+
+import pytest
+
+from specserve_operator import api
+from specserve_operator.capacity import Point, Prior, fit
+from specserve_operator.health import BASELINE_ANALYSES, assess, is_degraded
+from specserve_operator.measure import Window
+
+HEALTH = api.SpeculationHealth()  # 0.8 of the baseline's acceptance, no slower than plain decoding, 3 in a row
+# Plain decoding: 8 ms per generated token in the system plus 0.8 ms per request in flight per replica.
+PLAIN = fit([], Prior([Point(c, 10.0 + c, None, 8.0 + 0.8 * c) for c in (0, 1, 3, 7, 15)]))
+
+
+def window(acceptance: float | None = 3.0, ms_per_token: float = 7.0, in_flight: float = 4.0, ready: int = 2,
+           seconds: float = 60.0, revision: str = "abc123", **fields) -> Window:
+    """A revision's window whose requests spend `ms_per_token` in the system per token, at `in_flight` per replica."""
+    tokens_per_second = 1000 * in_flight * ready / ms_per_token
+    fields = {"waiting_per_replica": 0.0, **fields}
+    return Window(revision, seconds, ready, tokens_per_second=tokens_per_second, generated_tokens=tokens_per_second * seconds,
+                  acceptance_length=acceptance, in_flight_per_replica=in_flight, **fields)
+
+
+def run(windows, status=None, plain=PLAIN, health=HEALTH, revision="abc123"):
+    for minute, w in enumerate(windows):
+        status = assess(status, revision, w, health, plain, f"2026-12-05T10:{minute:02d}:00Z")
+    return status
+
+
+def test_the_baseline_is_the_mean_of_the_first_analyses_and_a_sustained_fall_degrades():
+    status = run([window(3.0), window(2.8), window(3.2)])
+    assert status.baseline_analyses == BASELINE_ANALYSES and status.baseline_acceptance_length == 3.0
+    assert status.last_analysis.verdict == "Healthy" and status.degraded_analyses == 0
+    steady = run([window(2.9)] * 5, status)
+    assert steady.baseline_acceptance_length == 3.0  # complete: later windows do not move it
+    fallen = run([window(2.0)] * 2, status)
+    assert fallen.last_analysis.verdict == "Degraded" and fallen.degraded_analyses == 2
+    assert not is_degraded(fallen, HEALTH)  # not sustained yet
+    fallen = run([window(2.0)], fallen)
+    assert is_degraded(fallen, HEALTH)
+    assert fallen.last_analysis.acceptance_ratio == 2.0 / 3.0
+    assert "acceptanceRatio: 0.67 < 0.8 (acceptance length 2.00, baseline 3.00)" in fallen.last_analysis.reasons
+    assert run([window(2.9)], fallen).degraded_analyses == 0  # one healthy analysis clears it
+
+
+def test_speculation_slower_than_plain_decoding_at_the_load_measured_degrades_at_steady_acceptance():
+    """Acceptance can stay flat while concurrency makes every verify step dearer (vLLM discussion #26504):
+    the speed against plain decoding at the same load decides, not acceptance alone."""
+    status = run([window(3.0)] * BASELINE_ANALYSES)
+    busy = run([window(3.0, ms_per_token=25.0, in_flight=15.0)] * 3, status)  # plain: 8 + 0.8 x 15 = 20 ms
+    assert is_degraded(busy, HEALTH)
+    assert busy.last_analysis.acceptance_ratio == 1.0 and busy.last_analysis.speedup == pytest.approx(20.0 / 25.0)
+    assert busy.last_analysis.reasons[1].startswith("speedup: 0.80x < 1x (plain decoding 20 ms per token at 15.00")
+    light = run([window(3.0, ms_per_token=5.0, in_flight=1.0)], busy)  # plain: 8.8 ms
+    assert light.last_analysis.verdict == "Healthy" and light.last_analysis.speedup == pytest.approx(8.8 / 5.0)
+    # Without a prior for plain decoding the speed is not judged: acceptance alone.
+    assert not is_degraded(run([window(3.0, ms_per_token=25.0, in_flight=15.0)] * 3, status, plain=None), HEALTH)
+
+
+def test_windows_without_evidence_neither_count_nor_clear():
+    status = run([window(3.0)] * BASELINE_ANALYSES + [window(2.0)] * 2)
+    assert status.degraded_analyses == 2
+    outage = Window("abc123", 60, 2, missing="measurement failed: connection refused")
+    quiet = window(2.0, in_flight=0.02, seconds=10)  # 57 tokens generated: fewer than 100
+    held = run([outage, quiet], status)
+    assert held.degraded_analyses == 2 and held.last_analysis.verdict == "Inconclusive"
+    assert held.baseline_acceptance_length == 3.0
+    assert [r.split(":")[0] for r in run([outage], status).last_analysis.reasons] == ["data"]
+    assert is_degraded(run([window(2.0)], held), HEALTH)  # the third degraded analysis, the holes between
+
+
+def test_a_new_live_revision_gets_a_baseline_of_its_own_and_judges_nothing_on_acceptance_before_it():
+    status = run([window(3.0)] * BASELINE_ANALYSES + [window(2.0)] * 3)
+    assert is_degraded(status, HEALTH)
+    promoted = run([window(1.6, revision="def456")], status, revision="def456")
+    assert promoted.revision == "def456" and promoted.degraded_analyses == 0
+    assert promoted.baseline_analyses == 1 and promoted.baseline_acceptance_length == 1.6
+    assert promoted.last_analysis.acceptance_ratio == 1.0
+    assert promoted.last_analysis.verdict == "Healthy"  # judged on speed alone while its baseline forms
+    unjudged = run([window(1.6, revision="def456")], None, plain=None, revision="def456")
+    assert unjudged.last_analysis.verdict == "Inconclusive"
+    assert unjudged.last_analysis.reasons == ["acceptanceRatio: baseline from 1 of 3 analyses"]
+
+
+def test_thresholds_are_the_spec_s():
+    strict = api.SpeculationHealth(minAcceptanceRatio=0.95, sustainedAnalyses=1)
+    status = run([window(3.0)] * BASELINE_ANALYSES + [window(2.8)], health=strict)
+    assert is_degraded(status, strict) and not is_degraded(run([window(3.0)] * BASELINE_ANALYSES + [window(2.8)]), HEALTH)
+
+
+def test_a_window_queued_beyond_the_batch_judges_acceptance_but_not_speed():
+    """Its time per token is the backlog's wait, not the speculation's; its acceptance is the drafter's all the same."""
+    status = run([window(3.0)] * BASELINE_ANALYSES)
+    queued = run([window(3.0, ms_per_token=60.0, in_flight=20.0, waiting_per_replica=15.0)], status)
+    assert queued.last_analysis.verdict == "Healthy" and queued.last_analysis.speedup is None
+    assert queued.last_analysis.reasons[1].startswith("speedup: not judged: requests mostly queued beyond the engine's batch")
+    fallen = run([window(2.0, ms_per_token=60.0, in_flight=20.0, waiting_per_replica=15.0)], status)
+    assert fallen.last_analysis.verdict == "Degraded"
