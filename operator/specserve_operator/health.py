@@ -14,6 +14,12 @@ the live revision and `assess` compares the window with two references:
   costs more than it saves at this load, whatever its acceptance: acceptance can stay flat while
   more concurrency makes each verify step dearer. Without a prior for none it is not judged.
 
+Fallback. With spec.speculationHealth.fallback set (and autoFallback), a degraded revision starts a
+fallback (status.fallback): while the spec keeps that generation, `with_fallback` makes the spec
+the operator runs one whose stable revision is the degraded one and whose rollout's candidate is
+the fallback speculator, so the fallback goes through the same canary, analysis and rollback as
+any candidate: one that does worse is rolled back, and the degraded revision keeps serving.
+
 A window without data or with fewer than MIN_GENERATED_TOKENS is Inconclusive: it neither counts
 nor clears, so a Prometheus outage never degrades a serving. A saturated window (its requests
 mostly queued beyond the engine's batch) measures the backlog, not the speculation: its speed is
@@ -28,8 +34,11 @@ from .analysis import MIN_GENERATED_TOKENS
 from .autoscale import saturated
 from .capacity import Capacity
 from .measure import Window
+from .replicas import candidate_hash, candidate_runtime
 
 BASELINE_ANALYSES = 3  # windows with data whose mean acceptance length is a revision's baseline
+# A fallback's canary without spec.rollout: half the replicas for two default analysis intervals.
+FALLBACK_STEPS = [api.RolloutStep(weight=50, analysis_seconds=120)]
 
 
 def _unusable(window: Window) -> str | None:
@@ -90,3 +99,21 @@ def assess(previous: api.SpeculationStatus | None, revision: str, window: Window
 
 def is_degraded(status: api.SpeculationStatus | None, health: api.SpeculationHealth) -> bool:
     return status is not None and status.degraded_analyses >= health.sustained_analyses
+
+
+def with_fallback(spec: api.SpeculativeServingSpec, fallback: api.FallbackStatus | None,
+                  generation: int | None) -> api.SpeculativeServingSpec:
+    """The spec the operator runs: the tenant's, or, while a fallback it started holds (the spec still at its
+    generation), the degraded revision as the stable one and the fallback speculator as the rollout's candidate,
+    with spec.rollout's steps, analysis and autoPromote when it has them."""
+    chosen = spec.speculation_health.fallback
+    if fallback is None or chosen is None or fallback.generation != generation:
+        return spec
+    if spec.rollout is not None and fallback.from_revision == candidate_hash(spec):  # a promoted candidate degraded
+        speculator, runtime = spec.rollout.candidate.speculator, candidate_runtime(spec)
+    else:
+        speculator, runtime = spec.speculator, spec.runtime
+    candidate = api.Candidate(speculator=chosen.speculator)
+    rollout = (spec.rollout.model_copy(update={"candidate": candidate}) if spec.rollout is not None
+               else api.Rollout(candidate=candidate, steps=FALLBACK_STEPS))
+    return spec.model_copy(update={"speculator": speculator, "runtime": runtime, "rollout": rollout})

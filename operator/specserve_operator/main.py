@@ -172,8 +172,8 @@ async def serving_resync(namespace, name, uid, memo: kopf.Memo, logger, **_):
     await _reconcile_and_report(namespace, name, uid, memo, logger)
 
 
-def _decides(spec, **_) -> bool:
-    return bool(spec.get("rollout")) or bool((spec.get("autoscaling") or {}).get("enabled"))
+def _decides(spec, status, **_) -> bool:
+    return bool(spec.get("rollout")) or bool((spec.get("autoscaling") or {}).get("enabled")) or bool(status.get("fallback"))
 
 
 @kopf.timer(*SERVINGS, interval=DECISION_TICK_SECONDS, when=_decides)

@@ -217,20 +217,20 @@ def speculation_health(cluster: Cluster, source, serving: Serving, profile: Prof
     """The live revision's continuous analysis (health.py) when it speculates and runs without a canary:
     status.speculation, the SpeculationDegraded condition (None: leave it as it is) and the Events of a change.
     Measured through the source alone, as a canary is: an outage holds the analysis and never degrades."""
-    spec = serving.spec.speculation_health
+    policy = serving.spec.speculation_health
     previous = api.SpeculationStatus.model_validate(old_status["speculation"]) if old_status.get("speculation") else None
-    if not spec.enabled or live.speculator.method == "none":
-        return None, (False, "Disabled" if not spec.enabled else "NotSpeculating", ""), []
-    was = health.is_degraded(previous, spec)
+    if not policy.enabled or live.speculator.method == "none":
+        return None, (False, "Disabled" if not policy.enabled else "NotSpeculating", ""), []
+    was = health.is_degraded(previous, policy)
     due = previous is None or previous.last_evaluation_time is None or \
-        (now - parse_time(previous.last_evaluation_time)).total_seconds() >= spec.interval_seconds
-    if stage not in ("Stable", "Promoted") or not due:
+        (now - parse_time(previous.last_evaluation_time)).total_seconds() >= policy.interval_seconds
+    if stage == "Canary" or not due:  # a canary compares revisions; otherwise one serves (an aborted one drains)
         return previous, None, []
-    (window,), _, _ = measure_interval(cluster, source, serving, profile, [live.hash], deployments, spec.interval_seconds)
+    (window,), _, _ = measure_interval(cluster, source, serving, profile, [live.hash], deployments, policy.interval_seconds)
     prior = settings.capacity_priors.get("none")
     plain = fit([], prior) if prior is not None and prior.points else None
-    status = health.assess(previous, live.hash, window, spec, plain, timestamp(now))
-    degraded = health.is_degraded(status, spec)
+    status = health.assess(previous, live.hash, window, policy, plain, timestamp(now))
+    degraded = health.is_degraded(status, policy)
     analysis = status.last_analysis
     figures = "; ".join(analysis.reasons)
     message = f"revision {live.hash} ({live.speculator.method}): {analysis.verdict}: {figures}"
@@ -240,6 +240,17 @@ def speculation_health(cluster: Cluster, source, serving: Serving, profile: Prof
     elif was and not degraded:
         events.append(Event("Normal", "SpeculationRecovered", message))
     return status, (degraded, "Degraded" if degraded else analysis.verdict, message), events
+
+
+def start_fallback(spec: api.SpeculativeServingSpec, degraded: tuple[bool, str, str] | None, live: Revision,
+                   generation: int | None, at: str, events: list[Event]) -> api.FallbackStatus | None:
+    """A fallback (health.with_fallback) when the live revision is degraded and the spec names one to roll out."""
+    chosen = spec.speculation_health.fallback
+    if not (degraded and degraded[0] and chosen and chosen.auto_fallback and chosen.speculator != live.speculator):
+        return None
+    events.append(Event("Warning", "FallbackStarted", f"revision {live.hash} ({live.speculator.method}) is degraded: "
+                                                      f"rolling {chosen.speculator.method} out as a canary candidate"))
+    return api.FallbackStatus(generation=generation, from_revision=live.hash, at=at)
 
 
 def draining_pods(cluster: Cluster, serving: Serving) -> int:
@@ -340,6 +351,11 @@ def reconcile(cluster: Cluster, body: dict, settings: Settings, source, now: dat
     if problems:  # touch nothing that is already serving
         return Outcome(invalid_status(old_status, generation, problems, at), problems)
 
+    # A fallback the operator started (health.with_fallback); not `fallback`, the pods' /metrics source.
+    started = api.FallbackStatus.model_validate(old_status["fallback"]) if old_status.get("fallback") else None
+    if started is not None and started.generation != generation:
+        started = None  # the tenant changed the spec: what it asks for runs
+    serving = replace(serving, spec=health.with_fallback(serving.spec, started, generation))
     spec = serving.spec
     existing = {kind: children(cluster, kind, serving.name, serving.namespace) for kind in CHILD_KINDS}
     deployments = {d["metadata"]["name"]: d for d in existing[("apps/v1", "Deployment")]}
@@ -397,11 +413,13 @@ def reconcile(cluster: Cluster, body: dict, settings: Settings, source, now: dat
                                                              canary_revision))
     speculation, degraded, health_events = speculation_health(cluster, source, serving, profile, settings, old_status,
                                                               decision.stage, revs[0], deployments, now)
+    started = started or start_fallback(serving.spec, degraded, revs[0], generation, at, health_events)
     desired = render_all(serving, profile, settings, traffic, scaling.replicas)
     for obj in desired:
         outcome.applied[f"{obj['kind']}/{obj['metadata']['name']}"] = cluster.apply(obj)
     outcome.status = serving_status(serving, profile, old_status, generation, existing, decision, revs, total, scaling, at)
     outcome.status["speculation"] = speculation.model_dump(by_alias=True, exclude_none=True) if speculation else None
+    outcome.status["fallback"] = started.model_dump(by_alias=True, exclude_none=True) if started else None
     if degraded is not None:
         outcome.status["conditions"] = set_condition(outcome.status["conditions"], "SpeculationDegraded", *degraded, at)
     if outcome.status["phase"] == "Serving" and condition_true(outcome.status, "SpeculationDegraded"):

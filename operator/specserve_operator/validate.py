@@ -61,10 +61,12 @@ def parse_serving(obj: dict) -> tuple[Serving | None, list[str]]:
 
 
 def speculators(spec: api.SpeculativeServingSpec) -> list[tuple[str, api.Speculator]]:
-    """The stable revision's speculator and a rollout candidate's, each with its field path."""
+    """The stable revision's speculator, a rollout candidate's and a fallback's, each with its field path."""
     found = [("spec.speculator", spec.speculator)]
     if spec.rollout:
         found.append(("spec.rollout.candidate.speculator", spec.rollout.candidate.speculator))
+    if spec.speculation_health.fallback:
+        found.append(("spec.speculationHealth.fallback.speculator", spec.speculation_health.fallback.speculator))
     return found
 
 

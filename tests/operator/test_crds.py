@@ -142,6 +142,10 @@ def _evaluate_cel(spec: dict) -> list[str]:
             speculator={"method": "dflash", "draftModel": "bundled://smollm2-135m-instruct-dflash", "draftTree": True},
             runtime={"engine": "vllm"})), api.TREE_NEEDS_EMBEDDED),
         (lambda s: s.__setitem__("speculator", {"method": "ngram", "promptLookup": 0}), "promptLookup is for methods dflash and eagle3"),
+        (lambda s: s.__setitem__("speculationHealth", {"fallback": {"speculator": {
+            "method": "eagle3", "draftModel": "hf://org/eagle3", "draftTree": True}}}), api.FALLBACK_IS_SIMPLE),
+        (lambda s: s.__setitem__("speculationHealth", {"fallback": {"speculator": {"method": "dflash"}}}),
+         "dflash and eagle3 need a draftModel"),
         (lambda s: s["speculator"].__setitem__("promptLookup", 4), api.LOOKUP_NEEDS_EMBEDDED),
         (lambda s: s["rollout"]["candidate"]["speculator"].__setitem__("promptLookup", 4), api.LOOKUP_NEEDS_EMBEDDED),
         (lambda s: s.__setitem__("speculator", {"method": "none", "numSpeculativeTokensPerBatchSize": [

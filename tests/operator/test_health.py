@@ -5,7 +5,7 @@ import pytest
 
 from specserve_operator import api
 from specserve_operator.capacity import Point, Prior, fit
-from specserve_operator.health import BASELINE_ANALYSES, assess, is_degraded
+from specserve_operator.health import BASELINE_ANALYSES, FALLBACK_STEPS, assess, is_degraded, with_fallback
 from specserve_operator.measure import Window
 
 HEALTH = api.SpeculationHealth()  # 0.8 of the baseline's acceptance, no slower than plain decoding, 3 in a row
@@ -97,3 +97,59 @@ def test_a_window_queued_beyond_the_batch_judges_acceptance_but_not_speed():
     assert queued.last_analysis.reasons[1].startswith("speedup: not judged: requests mostly queued beyond the engine's batch")
     fallen = run([window(2.0, ms_per_token=60.0, in_flight=20.0, waiting_per_replica=15.0)], status)
     assert fallen.last_analysis.verdict == "Degraded"
+
+
+# ---- fallback ----------------------------------------------------------------------------------
+
+SPEC = api.SpeculativeServingSpec.model_validate({
+    "profile": "team-a", "model": {"name": "Qwen/Qwen3-8B", "uri": "hf://Qwen/Qwen3-8B", "servedName": "qwen3-8b"},
+    "speculator": {"method": "dflash", "draftModel": "hf://z-lab/Qwen3-8B-DFlash-b16", "numSpeculativeTokens": 15},
+    "speculationHealth": {"fallback": {"speculator": {"method": "ngram", "numSpeculativeTokens": 4}}}})
+
+
+def started(spec: api.SpeculativeServingSpec, degraded: str, generation: int = 3) -> api.FallbackStatus:
+    return api.FallbackStatus(generation=generation, from_revision=degraded, at="2026-12-05T10:00:00Z")
+
+
+def test_a_fallback_is_the_rollout_of_the_spec_the_operator_runs_while_the_spec_keeps_its_generation():
+    from specserve_operator.replicas import candidate_hash, revision_hash
+
+    stable = revision_hash(SPEC.model, SPEC.speculator, SPEC.runtime)
+    assert with_fallback(SPEC, None, 3) == SPEC
+    runs = with_fallback(SPEC, started(SPEC, stable), 3)
+    assert runs.speculator == SPEC.speculator and runs.runtime == SPEC.runtime  # the degraded revision stays stable
+    assert runs.rollout.candidate.speculator == SPEC.speculation_health.fallback.speculator
+    assert runs.rollout.steps == FALLBACK_STEPS and runs.rollout.analysis == api.Analysis()  # the default gates
+    assert revision_hash(runs.model, runs.speculator, runs.runtime) == stable
+    assert candidate_hash(runs) != stable
+    assert with_fallback(SPEC, started(SPEC, stable), 4) == SPEC  # the tenant changed the spec: it runs as written
+    assert with_fallback(SPEC.model_copy(update={"speculation_health": api.SpeculationHealth()}), started(SPEC, stable), 3) \
+        == SPEC.model_copy(update={"speculation_health": api.SpeculationHealth()})
+
+
+def test_a_promoted_candidate_that_degrades_falls_back_with_the_rollout_s_own_steps_and_gates():
+    from specserve_operator.replicas import candidate_hash
+
+    rollout = api.Rollout.model_validate({
+        "candidate": {"speculator": {"method": "eagle3", "draftModel": "hf://org/eagle3", "numSpeculativeTokens": 3}},
+        "steps": [{"weight": 10, "analysisSeconds": 60}, {"weight": 50}], "analysis": {"minTokensPerDollarGain": 1.1},
+        "autoPromote": False})
+    spec = SPEC.model_copy(update={"rollout": rollout})
+    runs = with_fallback(spec, started(spec, candidate_hash(spec)), 3)
+    assert runs.speculator == rollout.candidate.speculator  # the promoted candidate is what degraded
+    assert runs.rollout.candidate.speculator.method == "ngram"
+    assert (runs.rollout.steps, runs.rollout.analysis, runs.rollout.auto_promote) == (rollout.steps, rollout.analysis, False)
+
+
+def test_a_fallback_the_profile_does_not_allow_is_refused_naming_the_field(example_documents):
+    from specserve_operator.validate import check_against_profile, parse_profile, parse_serving
+
+    by_kind = {d["kind"]: d for d in example_documents}
+    body = by_kind["SpeculativeServing"]
+    body = {**body, "spec": {**body["spec"], "speculationHealth": {"fallback": {"speculator": {"method": "ngram"}}}}}
+    serving, _ = parse_serving(body)
+    profile, _ = parse_profile(by_kind["ServingProfile"])
+    limits = profile.spec.limits.model_copy(update={"allowed_methods": ["eagle3", "dflash"]})
+    strict = profile.__class__(profile.name, profile.spec.model_copy(update={"limits": limits}))
+    assert "spec.speculationHealth.fallback.speculator.method: method ngram is not allowed by ServingProfile " \
+           "'team-a-h100' (allowed: eagle3, dflash)" in check_against_profile(serving, strict, {"specserve.io/tenant": "team-a"})

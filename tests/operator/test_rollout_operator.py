@@ -33,9 +33,11 @@ class ScriptedSource:
         self.by_revision: dict[str, dict] = {}
         self.outage = False
         self.calls = 0
+        self.measured: list[str] = []  # the revisions asked for, in order
 
     def measure(self, target, seconds):
         self.calls += 1
+        self.measured.append(target.revision)
         if self.outage:
             raise MeasurementError("Prometheus http://prometheus.monitoring:9090 unreachable (connection refused)")
         fields = self.by_revision.get(target.revision, STABLE)
@@ -176,8 +178,9 @@ async def test_a_failing_candidate_rolls_back_within_the_failure_limit(operator,
 
     clock.advance(600)  # no retry while the candidate is unchanged
     calls = source.calls
-    await asyncio.sleep(1.0)  # several ticks: nothing is measured, nothing restarts
-    assert source.calls == calls and status_of(operator)["lastRollout"]["outcome"] == "Aborted"
+    await asyncio.sleep(1.0)  # several ticks: the candidate is not measured again, nothing restarts
+    # The stable alone may be (its speculation health, once per minute of the clock).
+    assert set(source.measured[calls:]) <= {stable} and status_of(operator)["lastRollout"]["outcome"] == "Aborted"
     assert deployment(operator, canary)["spec"]["replicas"] == 0
 
 

@@ -133,6 +133,18 @@ def test_a_drift_degrades_the_speculation_in_every_seed_within_its_sustained_ana
     assert {t.stage for t in run_.ticks if t.t >= run_.degraded_at} == {"Degraded", "Pending"}  # Pending: scaling up
 
 
+def test_a_degraded_drafter_falls_back_through_a_canary_and_the_fleet_does_better_than_keeping_it():
+    """The same drift with `fallback: {speculator: {method: none}}`: plain decoding is rolled out as a candidate once
+    the drafter is degraded, passes the canary against it and is promoted in every seed; over the hour the fleet
+    meets its SLO more often and costs less (the same requests: more tokens per dollar) than one keeping the drafter."""
+    kept, fell_back = five_seeds_of("drift-acceptance-falls"), five_seeds_of("drift-fallback")
+    assert fell_back["decisions"] == {"Promoted": 5}
+    assert fell_back["speculationDegradedAtSeconds"]["max"] < fell_back["decisionAtSeconds"]["min"]
+    assert fell_back["sloAttainment"]["min"] > kept["sloAttainment"]["min"]
+    assert fell_back["costVsStaticPeak"] < kept["costVsStaticPeak"]  # the same staticPeak: the drafter before the drift
+    assert fell_back["tokensPerDollarVsInFlight"] > kept["tokensPerDollarVsInFlight"]
+
+
 @pytest.mark.parametrize("name", ["prometheus-outage-mid-step", "operator-restart-mid-step"])
 def test_nothing_is_promoted_during_the_fault_and_no_step_is_lost(name):
     result = result_of(name)

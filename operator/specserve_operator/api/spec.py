@@ -215,6 +215,29 @@ class Autoscaling(Model):
     scale_down_stabilization_seconds: int = Field(300, ge=0, le=3600)
 
 
+FALLBACK_IS_SIMPLE = "a fallback speculator drafts chains on its own: no draftTree, no promptLookup"
+
+
+class Fallback(Model):
+    """What the operator rolls out when the live revision's speculation is degraded: a new revision with this
+    speculator, through a canary like any other (spec.rollout's steps and analysis when it has them), so a
+    fallback that does worse is rolled back in turn. Any change of the spec ends it."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        cel("!has(self.speculator.draftTree) || self.speculator.draftTree == false", FALLBACK_IS_SIMPLE, ".speculator.draftTree"),
+        cel("!has(self.speculator.promptLookup) || self.speculator.promptLookup == 0", FALLBACK_IS_SIMPLE,
+            ".speculator.promptLookup"),
+    ]})
+    speculator: Speculator = Field(description="the fallback revision's speculator: ngram, none, or a shorter draft")
+    auto_fallback: bool = Field(True, description="false: SpeculationDegraded is only reported")
+
+    @model_validator(mode="after")
+    def _simple(self):
+        for field in self.speculator.embedded_only():
+            raise ValueError(f"speculator.{field}: {FALLBACK_IS_SIMPLE}")
+        return self
+
+
 class SpeculationHealth(Model):
     """Continuous analysis of the live revision once no canary runs (health.py): each interval its acceptance
     length against the baseline recorded as it went live, and its time per token against what plain decoding
@@ -226,6 +249,7 @@ class SpeculationHealth(Model):
     min_speedup: float = Field(1.0, gt=0, le=10, description="plain decoding's time per token at the load measured (the "
                                "capacity prior of method none) / the measured, at least this; not judged without that prior")
     sustained_analyses: int = Field(3, ge=1, le=100, description="degraded analyses in a row that set SpeculationDegraded")
+    fallback: Fallback | None = None
 
 
 class ParentRef(Model):

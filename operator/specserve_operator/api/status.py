@@ -147,6 +147,15 @@ class SpeculationStatus(Model):
     last_analysis: SpeculationAnalysis | None = None
 
 
+class FallbackStatus(Model):
+    """A fallback the operator started (spec.speculationHealth.fallback): it holds while the spec keeps this
+    generation; any change of the spec ends it."""
+
+    generation: int | None = Field(description="metadata.generation of the spec it was started for")
+    from_revision: str = Field(description="the degraded revision it replaces")
+    at: str
+
+
 Phase = Literal["Pending", "Serving", "Progressing", "Promoting", "RollingBack", "Degraded", "Invalid"]
 
 
@@ -160,6 +169,7 @@ class SpeculativeServingStatus(Model):
     metrics: MetricsStatus | None = None
     autoscaling: AutoscalingStatus | None = None
     speculation: SpeculationStatus | None = None
+    fallback: FallbackStatus | None = None
     replicas: int = 0
     selector: str = ""
 

@@ -16,7 +16,7 @@ from specserve_runtime.performance import MethodPerformance, Performance, Strict
 
 from .. import api
 from ..render import Profile, Serving
-from ..validate import InputProblems, check_against_profile, pydantic_problems
+from ..validate import InputProblems, check_against_profile, pydantic_problems, speculators
 
 
 class ScenarioError(InputProblems):
@@ -113,12 +113,8 @@ class Scenario(Strict):
     routing: Literal["random", "leastLoaded"] = "random"
 
     def methods_in_use(self) -> list[tuple[str, str]]:
-        """(field path, method) of the serving's speculator and its rollout candidate's."""
-        used = [("serving.speculator.method", self.serving.speculator.method)]
-        if self.serving.rollout is not None:
-            candidate = self.serving.rollout.candidate.speculator.method
-            used.append(("serving.rollout.candidate.speculator.method", candidate))
-        return used
+        """(field path, method) of the serving's speculators: its own, a rollout candidate's, a fallback's."""
+        return [(path.replace("spec.", "serving.", 1) + ".method", speculator.method) for path, speculator in speculators(self.serving)]
 
     def performance_of(self, method: str) -> MethodPerformance:
         return getattr(self.performance, method)

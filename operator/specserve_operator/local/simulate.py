@@ -43,7 +43,7 @@ from specserve_runtime.performance import MethodPerformance
 
 from ..reconcile import effective_slo
 from ..render import Profile
-from ..replicas import candidate_hash, replica_budget, revision_hash
+from ..replicas import candidate_hash, candidate_runtime, replica_budget, revision_hash
 from .baselines import BASELINES
 from .fleet import Fleet
 from .fleet_model import Arrival, Curve, RevisionModel, arrivals
@@ -67,6 +67,9 @@ def revision_models(scenario: Scenario) -> dict[str, RevisionModel]:
     pairs = [(revision_hash(spec.model, spec.speculator, spec.runtime), spec.speculator.method)]
     if spec.rollout is not None:
         pairs.append((candidate_hash(spec), spec.rollout.candidate.speculator.method))
+    if spec.speculation_health.fallback is not None:  # a fallback runs on the runtime of the revision it replaces
+        fallback = spec.speculation_health.fallback.speculator
+        pairs += [(revision_hash(spec.model, fallback, runtime), fallback.method) for runtime in (spec.runtime, candidate_runtime(spec))]
     return {revision: revision_model(revision, method, scenario.performance_of(method)) for revision, method in pairs}
 
 
