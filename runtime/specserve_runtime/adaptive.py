@@ -4,8 +4,8 @@ per-position acceptance.
 A step that drafts L tokens per sequence commits, per sequence, 1 + p_1 + ... + p_L tokens on
 average, where p_i is the chance that the first i drafts are all accepted; it costs r(B, L) times
 a step without drafts at the same batch size B (draft and verify: a bigger batch makes each extra
-verified token dearer, and the curve differs by machine, see docs/benchmarks.md). The rule takes
-the L in 1..K that maximises
+verified token dearer, and the curve differs by machine, see
+docs/benchmarks.md, "What a step costs"). The rule takes the L in 1..K that maximises
 
     (1 + p_1 + ... + p_L) / r(B, L)
 
@@ -49,7 +49,7 @@ But never sooner than the pair's own cost allows: what its drafting steps (the c
 timed one) took beyond plain steps for the same tokens, counted in plain steps, over
 EXPLORE_BUDGET. Near break-even a single pair's noisy ratio often says its length would win, and
 exploring every 32 steps with catch-ups of several plain steps each cost a loaded server 5-6% of
-its time (docs/benchmarks.md, "One thread for torch"); the budget holds it to about 1%.
+its time; the budget holds it to about 1%.
 The chosen length itself is re-paired every EXPLORE_EVERY steps. Length 0 (plain decoding) is
 always a candidate. A step that also prefills a prompt chunk is never recorded (its time is mostly
 the prompt's), so it drafts the bucket's best length and begins no pair.
@@ -60,7 +60,7 @@ arithmetic, which they do. So a length whose gain, at the cost measured at the n
 bucket, does not beat the margin cannot win at this one, and the bucket neither learns nor
 explores it: on a loaded server where drafting loses, those pairs (up to 2.5x a plain step each,
 and a catch-up of several more for a drafter that sat out) were what kept speculation below plain
-decoding (docs/benchmarks.md, "One thread for torch"). The bound follows the acceptance: when the
+decoding. The bound follows the acceptance: when the
 text gets easier and the smaller bucket drafts again, the length is learned.
 
 Only the speed changes: every draft is still verified, so the output is the same at any length.

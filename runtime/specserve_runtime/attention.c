@@ -4,9 +4,9 @@
    would, or a near tie can commit another token than plain decoding. The matrix products are
    row-invariant (blockquant.c); a library's attention over T query rows is not (it blocks the
    rows and keys by T, so a row's sums run in another order than alone). A last-bit difference is
-   harmless on float32 activations, but rounding activations to int8 turns it into a whole step
-   (docs/benchmarks.md, "int8 activations"). Here each (row, head) pair runs the same code over
-   the same keys in the same order as a one-token step: its bits do not depend on the other rows.
+   harmless on float32 activations, but rounding activations to int8 turns it into a whole step.
+   Here each (row, head) pair runs the same code over the same keys in the same order as a
+   one-token step: its bits do not depend on the other rows.
 
    It also does what comes before attention on the new tokens' rows, RoPE on queries and keys and the
    keys' and values' writes into the cache, in one call instead of a dozen small torch operations. The cache
@@ -86,8 +86,7 @@ static inline float dot512(const float *a, const uint16_t *b, int64_t d) {
 }
 
 /* Up to QUERIES query heads at a time read each key and value row of their (shared) key head once: a step of a
-   few rows is bound by reading the cache more than by arithmetic (docs/benchmarks.md, "Grouped-query heads
-   side by side"). */
+   few rows is bound by reading the cache more than by arithmetic. */
 #define QUERIES 4
 /* Query heads scored together over eight keys: their 8 * SCORED accumulators, SCORED query vectors and a key
    fit the 32 vector registers. */

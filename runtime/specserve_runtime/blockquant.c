@@ -186,14 +186,14 @@ static inline __m512i four_inputs(const int8_t *q) {  /* q[0..3] in every int32 
 /* One tile of the product: the 16 outputs of group g by `tile` rows from r0 (1 to TILE512). `tile` is a constant
    where it is inlined (linear512_int8), so that every accumulator stays in a register and no instruction tests
    how many rows there are: that made a one-row step of the target 0.8x the time of a loop over a tile's rows
-   counted at run time, and 4 to 12 rows 0.8-0.85x (docs/benchmarks.md, "Tiles of a known size").
+   counted at run time, and 4 to 12 rows 0.8-0.85x.
    A tile also asks for the weights PREFETCH_BLOCKS blocks ahead of the one it multiplies: with only the
    hardware's prefetcher, each block's arithmetic left memory idle until the next block's loads missed, so every
    row a verify added cost its products' whole time on top of the reads, and even one row read the weights
    slower than memory gives them. It asks non-temporally (_MM_HINT_NTA): a weight is read once a step, and the
    target's 111 MB pass through caches a third that size: a forward of 1 to 12 rows takes 0.83-0.96x the time it
-   took asking into L2 (_MM_HINT_T1; docs/benchmarks.md, "Weights streamed past the caches"). Prefetching changes
-   no arithmetic: the same bits (docs/benchmarks.md, "Weights asked for ahead"). */
+   took asking into L2 (_MM_HINT_T1; docs/benchmarks.md, "What a step costs"). Prefetching changes no
+   arithmetic: the same bits. */
 __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline))
 static inline void int8_tile(const int tile, const int8_t *qx, const float *dx, const float *sx, int64_t r0, int64_t k,
                              const uint8_t *q4, const uint8_t *q8, const float *scale, const float *minimum, int64_t g,
@@ -402,7 +402,7 @@ static int64_t top_log_probs_row(const float *x, int64_t n, int64_t k, float *va
 
 /* values, indices [rows, k] = top_log_probs_row of each row of x [rows, n]. Why: torch's log_softmax and topk over
    a drafter's 8,192-token vocabulary took 100-170 us a step, most of it on caches that the step's products had
-   just evicted (docs/benchmarks.md, "Cold operations"). 0 on success; -1 where the CPU lacks AVX-512, k is not in
+   just evicted. 0 on success; -1 where the CPU lacks AVX-512, k is not in
    1..n or a row has fewer than k numbers (the caller uses torch's). */
 int blockquant_top_log_probs(const float *x, int64_t rows, int64_t n, int64_t k, float *values, int64_t *indices) {
     __builtin_cpu_init();
@@ -539,7 +539,7 @@ static int64_t sample_row(const float *x, int64_t n, float inverse_t, double top
 
 /* out[r] = sample_row of row r of x [rows, n] with uniforms[r], top_p in (0, 1] (1: every token). Why: torch's
    float64 softmax, cumulative sum and search took 270 us for one row of the target's 49,152 logits and 540 us for a
-   verify of 6, and a nucleus 0.4 ms more a row (docs/benchmarks.md, "Cold operations", "top_p in C"). 0 on success;
+   verify of 6, and a nucleus 0.4 ms more a row. 0 on success;
    -1 where the CPU lacks AVX-512, inverse_t is not above 0, top_p is outside (0, 1], n does not fit an int32, a row
    has NaN or +inf or nothing but -inf, or memory runs out (the caller uses torch's). */
 int blockquant_sample(const float *x, int64_t rows, int64_t n, float inverse_t, double top_p, const double *uniforms,

@@ -126,8 +126,7 @@ GROUP = 16  # outputs per int8 group: the 16 int32 lanes of an AVX-512 register
 
 # How int8_blocks rounds a weight that has no exact blocks (a drafter's): to Q4_1, 0.75 bytes a weight in the int8
 # layout against Q8_0's 1.125. A DFlash drafting step is bound by reading its weights, which the target's forward
-# has pushed out of the caches: on Q4_1 a DFlash step ran 1.02-1.04x faster for 0.3% of its tau, EAGLE-3 level
-# (docs/benchmarks.md, "A drafter on Q4_1").
+# has pushed out of the caches: on Q4_1 a DFlash step ran 1.02-1.04x faster for 0.3% of its tau, EAGLE-3 level.
 ROUNDING = q4_1_blocks
 
 
@@ -197,7 +196,7 @@ def row_kernels(x: torch.Tensor) -> tuple[ctypes.CDLL | None, torch.Tensor]:
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """Each row's argmax of x [N, V] -> int64 [N], the first of equal maxima (torch.argmax's rule): blockquant.c's
     on float32 CPU rows where it runs (AVX-512), else torch's. Why: torch's took 60-90 us a row of the target's
-    49,152 logits, and greedy verification takes one a verified row (docs/benchmarks.md, "The target's choice")."""
+    49,152 logits, and greedy verification takes one a verified row."""
     kernels, rows = row_kernels(x)
     if kernels is None:
         return x.argmax(dim=-1)
@@ -212,7 +211,7 @@ def top_log_probs(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     of equal ones first -> (values float32 [N, k], their indices int64 [N, k]): blockquant.c's on float32 CPU rows
     where it runs (AVX-512), else torch's log_softmax and a stable sort (topk does not say which of equal values
     comes first). Why: torch's log_softmax and topk took 100-170 us of a drafting step, on caches the step's products
-    had evicted (docs/benchmarks.md, "Cold operations")."""
+    had evicted."""
     kernels, rows = row_kernels(x)
     if kernels is not None:
         values, indices = torch.empty(rows.shape[0], k), torch.empty(rows.shape[0], k, dtype=torch.int64)
@@ -228,7 +227,7 @@ def sample(x: torch.Tensor, temperature: float, uniforms: torch.Tensor, top_p: f
     (the most likely tokens whose mass before them is below top_p, the first of equal ones first), in index order:
     blockquant.c's on float32 CPU rows where it runs (AVX-512), else None (the caller samples in torch; also for a
     row with NaN or +inf). Why: torch's float64 softmax, cumulative sum and search took 270 us a row of the target's
-    49,152 logits, and its nucleus 0.4 ms more (docs/benchmarks.md, "Cold operations", "top_p in C")."""
+    49,152 logits, and its nucleus 0.4 ms more."""
     kernels, rows = row_kernels(x)
     if kernels is None:
         return None

@@ -2,8 +2,8 @@
 
    Why: a decode step of SmolLM2-135M spends about as long in the torch operations and Python
    around its matrix products and attention (some 20 calls per layer, 30 layers) as in those
-   kernels themselves (docs/benchmarks.md, "The target's layers in C"). Here the same kernels run,
-   with RMSNorm, SwiGLU and the residual adds between them, for all layers and all segments at once.
+   kernels themselves. Here the same kernels run, with RMSNorm, SwiGLU and the residual adds
+   between them, for all layers and all segments at once.
 
    Every operation computes each row alone, in one fixed order: RMSNorm's sum of squares, the
    int8 products (blockquant.c), attention (attention.c), the elementwise SwiGLU. So a row's bits
@@ -88,9 +88,9 @@ static int shape_ok(const int8_weight *w, int64_t n_out, int64_t k) {
    input: x keeps the layers' output. head NULL, or (with final_norm) the LM head, hidden wide: normed's rows also
    go through it, to logits [kept rows, head's outputs]. Why here: each return to Python between two calls runs
    interpreter and torch code the layers' products evicted from the caches (0.2 ms of a one-token step between the
-   layers and the head); in one call, decodes measured about 1.02-1.03x (docs/benchmarks.md, "Between the C
-   calls"). 0 on success, -1 for shapes it does not take (nothing written; also a kept subset with the last layer
-   tapped), -2 when memory runs out (the caches may hold some of the new rows' keys: the caller drops the step). */
+   layers and the head); in one call, decodes measured about 1.02-1.03x faster. 0 on success, -1 for shapes it does
+   not take (nothing written; also a kept subset with the last layer tapped), -2 when memory runs out (the caches
+   may hold some of the new rows' keys: the caller drops the step). */
 int decoder_layers(const layer_weights *layers, const model_shape *shape, float *x, const float *embeds,
                    int64_t rows, const float *cos, const float *sin, int64_t table_rows, const int64_t *positions,
                    const segment *segments, int64_t n_segments, const uint8_t *tapped, float *taps, const uint8_t *kept,

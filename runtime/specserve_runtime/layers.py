@@ -13,7 +13,7 @@ from torch import nn
 
 from . import blockquant
 
-BLOCKQUANT_MAX_ROWS = 8  # past it oneDNN is faster: docs/benchmarks.md, "Item 1 done"
+BLOCKQUANT_MAX_ROWS = 8  # past it oneDNN is faster
 
 
 class RMSNorm(nn.Module):
@@ -74,8 +74,7 @@ class PackedLinear(nn.Module):
       BLOCKQUANT_MAX_ROWS rows, past which the kernel's float32 FMAs cost more than oneDNN's GEMM;
     - oneDNN's blocked layout, prepacked once: torch's float32 F.linear runs MKL's GEMM, which on
       the AVX2 AMD EPYC we measured costs about 2x for 2 rows and 3x for 3 rows what it costs for
-      1, while oneDNN's kernels cost the same for 1-3 rows and 1.6x for 8 (docs/benchmarks.md,
-      "Packed weights").
+      1, while oneDNN's kernels cost the same for 1-3 rows and 1.6x for 8.
     The plain weight stays: views, the tied embedding and the drafters' heads read it. Results
     equal F.linear's up to float32 rounding (another summation order).
     """

@@ -19,7 +19,7 @@ from .layers import RMSNorm
 
 pointer, size = ctypes.c_void_p, ctypes.c_int64
 # The caches the C layers read and write hold keys and values as float16: a step of many sequences, or of one
-# over a long prefix, is bound by reading them (docs/benchmarks.md, "Keys and values in float16").
+# over a long prefix, is bound by reading them.
 CACHE_DTYPE = torch.float16
 
 
@@ -117,7 +117,7 @@ class NativeLayers:
         output projection and MLP, and come out of it as they went in (the last layer cannot be tapped then).
         norm: the model's norm after its last layer, applied here to the kept rows for its LM head, so that no torch
         operation runs between the layers and the head (right after the layers' products, on caches they evicted,
-        torch's RMSNorm took 4-6 times its warm time: docs/benchmarks.md, "Cold operations"). head (with norm): the
+        torch's RMSNorm took 4-6 times its warm time). head (with norm): the
         LM head those rows then go through in the same call (its int8 blocks, H wide), for the same reason.
         -> (the tapped layers' outputs side by side in layer order [N, taps * H], or None;
             the kept rows, in order, through `norm` [kept rows, H] and then `head` [kept rows, its outputs], or None

@@ -135,8 +135,7 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """probs [N, V] with every token outside its row's nucleus set to 0: the smallest set of most likely tokens
     whose mass reaches top_p (the top token always stays). Found among the k most likely tokens (a partial
     selection), k doubled until, in every row, the k-th is outside: then so is every less likely one. Why: a sort
-    of the whole vocabulary cost about 5 ms a row of 49,152 probabilities, as much as the target's forward
-    (docs/benchmarks.md, "The target's choice")."""
+    of the whole vocabulary cost about 5 ms a row of 49,152 probabilities, as much as the target's forward."""
     vocabulary = probs.shape[-1]
     k = min(NUCLEUS_FIRST, vocabulary)
     while True:

@@ -195,7 +195,7 @@ def test_every_verified_row_has_the_bits_of_a_one_token_step(request, target, pa
     """What keeps greedy speculative output plain decoding's on int8 activations: a verify block's row of logits
     is computed exactly as the one-token step at its place computes it (decoder.c: row-invariant products,
     row-exact attention), for a chain and for a tree's branches. On float32 activations (SDPA's batched
-    attention) a row may differ in the last bits, harmless there (docs/benchmarks.md, "int8 activations")."""
+    attention) a row may differ in the last bits, harmless there."""
     model = request.getfixturevalue(target)
     assert (model.native_layers is not None) == (target == "tiny_llama_int8")
     prompt, tokens = torch.tensor([5, 17, 42, 8, 3, 60]), [7, 11, 13, 19, 23]

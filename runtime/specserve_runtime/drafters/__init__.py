@@ -19,7 +19,7 @@ from .vocab import DraftHead, draft_token_ids
 
 # The prompt-lookup branch of a model drafter's tree copies what followed the last earlier occurrence of the
 # longest suffix of LOOKUP_MIN_NGRAM to LOOKUP_MAX_NGRAM tokens. Shorter matches add rows that are seldom
-# accepted; a longer one is a surer copy (docs/benchmarks.md, "A prompt-lookup branch").
+# accepted; a longer one is a surer copy.
 LOOKUP_MIN_NGRAM, LOOKUP_MAX_NGRAM = 3, 6
 
 

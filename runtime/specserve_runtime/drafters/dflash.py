@@ -268,7 +268,7 @@ class DFlashDrafter(nn.Module):
         cache's keys/values) -> the normalised hidden states [len(caches), slots, H] of each block's slots
         1..slots, the ones that draft, as forward() computes them (slots at most the block's B - 1: a tree may
         have more nodes than the block has slots); with `head`, their logits by it [len(caches), slots, V], in
-        decoder.c's same call where the head is on int8 blocks (docs/benchmarks.md, "Between the C calls").
+        decoder.c's same call where the head is on int8 blocks.
         decoder.c works in place: block_embeds [N, H] (contiguous float32) are overwritten."""
         block_size = block_embeds.shape[0] // len(caches)
         slots = min(slots, block_size - 1)

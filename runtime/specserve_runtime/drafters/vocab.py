@@ -77,8 +77,7 @@ class DraftHead:
         """A head that scores with a packed weight: the target's own LM head for the whole vocabulary,
         else the draft rows packed once; on int8 blocks if `int8_activations` (PackedLinear). Why:
         torch's F.linear on the few rows a draft step scores (2-8) took 5x oneDNN's time on a packed
-        weight, 0.75 against 0.15 ms for 2 rows of the 8,192-token head (docs/benchmarks.md, "The
-        drafters' own matrix products")."""
+        weight, 0.75 against 0.15 ms for 2 rows of the 8,192-token head."""
         head = cls(lm_head.weight, token_ids)
         own = token_ids is not None or int8_activations
         head.linear = PackedLinear(head.weight, int8_activations) if own else lm_head

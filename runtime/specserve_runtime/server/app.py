@@ -63,7 +63,7 @@ class Worker:
     threads than cores, and libgomp then stops spinning between parallel regions and puts its
     threads to sleep, so every one of the hundreds of regions in a step waits for a wake-up. Measured
     on 2 cores, a decode step of 16 sequences: 65-69 ms with everything in one thread, 90-118 ms with
-    the model loaded in another (docs/benchmarks.md, "One thread for torch")."""
+    the model loaded in another."""
 
     def __init__(self, load: Callable[[], tuple[LoadedModel, Engine]], metrics: Metrics, max_concurrency: int,
                  max_num_seqs: int):
@@ -394,7 +394,7 @@ class Server:
 # a thread that wants it back waits up to 5 ms while the other runs Python, so a step's tokens can
 # wait behind the engine before the loop streams them. Measured served, plain decoding, two runtimes
 # side by side, 0.2 ms against 5: p99 inter-token latency at 8 clients 72-140 ms against 121-184 ms,
-# tokens/s the same within the noise (docs/benchmarks.md, "One thread for torch").
+# tokens/s the same within the noise.
 GIL_SWITCH_INTERVAL = 0.0002
 
 

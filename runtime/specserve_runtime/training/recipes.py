@@ -99,7 +99,7 @@ def engine_walk(accepted: list[int]) -> list[int]:
     i + 1 + accepted[i]. Tokens per step along this walk is the acceptance length the engine
     measures. It differs from the mean over all positions (uniform anchors): the walk stops at
     every position where drafts fail and skips the positions inside accepted runs, which on real
-    drafters puts it below that mean (docs/benchmarks.md), though not for every sequence.
+    drafters puts it below that mean, though not for every sequence.
     """
     visited, position = [], 0
     while position < len(accepted):
