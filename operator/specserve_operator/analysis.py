@@ -83,6 +83,15 @@ class Report:
         return [f"{gate.name}: {gate.verdict} ({gate.reason})" for gate in self.gates]
 
 
+def too_little_evidence(window: Window) -> str | None:
+    """Why a window cannot be judged (no data, or fewer than MIN_GENERATED_TOKENS), None when it can."""
+    if window.missing:
+        return window.missing
+    if (window.generated_tokens or 0) < MIN_GENERATED_TOKENS:
+        return f"generated {math.floor(window.generated_tokens or 0)} tokens < {MIN_GENERATED_TOKENS}"
+    return None
+
+
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     if numerator is None or not denominator:
         return None
@@ -149,12 +158,8 @@ def analyse(stable: Window, candidate: Window, analysis: api.Analysis, slo: api.
     """One interval's verdict, from the two revisions' windows, the rollout's gates and the candidate's method."""
     latency_ratio = _ratio(candidate.p99_inter_token_latency_ms, stable.p99_inter_token_latency_ms)
     gain = _ratio(stable.ms_per_token, candidate.ms_per_token)  # tokens/s per request held, candidate / stable
-    missing = [f"{role}: {w.missing}" for role, w in (("stable", stable), ("candidate", candidate)) if w.missing]
-    if not missing:
-        few = [f"{role} generated {math.floor(w.generated_tokens or 0)} tokens < {MIN_GENERATED_TOKENS}"
-               for role, w in (("stable", stable), ("candidate", candidate))
-               if (w.generated_tokens or 0) < MIN_GENERATED_TOKENS]
-        missing = few
+    missing = [f"{role}: {problem}" for role, w in (("stable", stable), ("candidate", candidate))
+               if (problem := too_little_evidence(w))]
     if missing:
         gates = (Gate("data", "Inconclusive", "; ".join(missing)),)
         return Report("Inconclusive", gates, stable, candidate, latency_ratio, gain)

@@ -20,17 +20,15 @@ the operator runs one whose stable revision is the degraded one and whose rollou
 the fallback speculator, so the fallback goes through the same canary, analysis and rollback as
 any candidate: one that does worse is rolled back, and the degraded revision keeps serving.
 
-A window without data or with fewer than MIN_GENERATED_TOKENS is Inconclusive: it neither counts
+A window without data or with fewer than analysis.MIN_GENERATED_TOKENS is Inconclusive: it neither counts
 nor clears, so a Prometheus outage never degrades a serving. A saturated window (its requests
 mostly queued beyond the engine's batch) measures the backlog, not the speculation: its speed is
 not judged, its acceptance is. sustainedAnalyses degraded analyses in a row set
 SpeculationDegraded; one healthy analysis clears it.
 """
 
-import math
-
 from . import api
-from .analysis import MIN_GENERATED_TOKENS
+from .analysis import too_little_evidence
 from .autoscale import saturated
 from .capacity import Capacity
 from .measure import Window
@@ -41,21 +39,13 @@ BASELINE_ANALYSES = 3  # windows with data whose mean acceptance length is a rev
 FALLBACK_STEPS = [api.RolloutStep(weight=50, analysis_seconds=120)]
 
 
-def _unusable(window: Window) -> str | None:
-    if window.missing:
-        return window.missing
-    if (window.generated_tokens or 0) < MIN_GENERATED_TOKENS:
-        return f"generated {math.floor(window.generated_tokens or 0)} tokens < {MIN_GENERATED_TOKENS}"
-    return None
-
-
 def assess(previous: api.SpeculationStatus | None, revision: str, window: Window, health: api.SpeculationHealth,
            plain: Capacity | None, at: str) -> api.SpeculationStatus:
     """The live revision's speculation status after one more window: the baseline grown, the analysis, the count."""
     if previous is None or previous.revision != revision:
         previous = api.SpeculationStatus(revision=revision)  # a new live revision: a new baseline
     status = previous.model_copy(update={"last_evaluation_time": at})
-    problem = _unusable(window)
+    problem = too_little_evidence(window)
     if problem:
         analysis = api.SpeculationAnalysis(at=at, verdict="Inconclusive", reasons=[f"data: {problem}"])
         return status.model_copy(update={"last_analysis": analysis})
