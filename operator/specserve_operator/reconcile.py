@@ -239,7 +239,8 @@ def speculation_health(cluster: Cluster, source, serving: Serving, profile: Prof
         events.append(Event("Warning", "SpeculationDegraded", f"{status.degraded_analyses} degraded analyses in a row, {message}"))
     elif was and not degraded:
         events.append(Event("Normal", "SpeculationRecovered", message))
-    return status, (degraded, "Degraded" if degraded else analysis.verdict, message), events
+    reason = "Degraded" if degraded else "NotSustained" if analysis.verdict == "Degraded" else analysis.verdict
+    return status, (degraded, reason, message), events
 
 
 def start_fallback(spec: api.SpeculativeServingSpec, degraded: tuple[bool, str, str] | None, live: Revision,
