@@ -63,6 +63,9 @@ ANALYSES = Counter("specserve_operator_analyses", "Canary analysis intervals by 
 GATES = Counter("specserve_operator_analysis_gates", "Canary analysis gate results", ["gate", "verdict"])
 STEP = Gauge("specserve_operator_rollout_step", "Current canary step (-1: no canary)", ["namespace", "serving"])
 DESIRED = Gauge("specserve_operator_desired_replicas", "Replicas the autoscaler decided", ["namespace", "serving"])
+TOKENS_PER_DOLLAR = Gauge("specserve_operator_tokens_per_dollar",
+                          "Generated tokens per dollar of the serving's replicas over the last window (status.metrics)",
+                          ["namespace", "serving"])
 SPECULATION_DEGRADED = Gauge("specserve_operator_speculation_degraded",
                              "1 while the live revision's speculation no longer pays (condition SpeculationDegraded)", ["namespace", "serving"])
 ACCEPTANCE_RATIO = Gauge("specserve_operator_acceptance_ratio",
@@ -152,6 +155,8 @@ async def _reconcile_and_report(namespace: str, name: str, uid: str | None, memo
     STEP.labels(namespace, name).set(canary["step"] if canary else -1)
     if outcome.status.get("autoscaling"):
         DESIRED.labels(namespace, name).set(outcome.status["autoscaling"].get("desiredReplicas") or 0)
+    if (outcome.status.get("metrics") or {}).get("tokensPerDollar") is not None:
+        TOKENS_PER_DOLLAR.labels(namespace, name).set(outcome.status["metrics"]["tokensPerDollar"])
     SPECULATION_DEGRADED.labels(namespace, name).set(condition_true(outcome.status, "SpeculationDegraded"))
     last = (outcome.status.get("speculation") or {}).get("lastAnalysis") or {}
     for gauge, key in ((ACCEPTANCE_RATIO, "acceptanceRatio"), (SPEEDUP, "speedup")):

@@ -277,3 +277,37 @@ def test_checkov_fails_nothing_but_the_justified_skips(chart, tmp_path):
     skips = yaml.safe_load(CHECKOV_SKIPS.read_text())
     assert all(isinstance(reason, str) and len(reason) > 20 for reason in skips.values()), "each skip needs its reason"
     assert {check for check, _ in failed} == set(skips), f"failed: {sorted(failed)}; skips: {sorted(skips)}"
+
+
+def test_the_grafana_dashboard_ships_for_grafana_s_sidecar_and_every_query_passes_promtool(chart, tmp_path):
+    """Per tenant and serving: acceptance (and by position), tokens/s, tokens per dollar, p99s, replicas, the
+    rollout and the speculation health, from series the runtimes and the operator export, in valid PromQL."""
+    import shutil
+
+    from .test_docs import exported_series, used_by
+
+    assert not [o for o in rendered_objects(chart, {}) if o["kind"] == "ConfigMap"]  # off by default
+    (config_map,) = [o for o in rendered_objects(chart, {"grafanaDashboard": {"enabled": True}}) if o["kind"] == "ConfigMap"]
+    kubernetes_validate.validate(config_map, MIN_KUBERNETES, strict=True)
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(config_map["data"]["specserve.json"])
+    assert [v["name"] for v in dashboard["templating"]["list"]] == ["datasource", "tenant", "namespace", "serving"]
+    expressions = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    names, labels = exported_series()
+    used = set()
+    for expr in expressions:
+        expr_names, expr_labels = used_by(expr)
+        assert expr_names <= names, f"no such series {sorted(expr_names - names)} in {expr}"
+        assert expr_labels <= labels, f"no such label {sorted(expr_labels - labels)} in {expr}"
+        used |= expr_names
+    assert {"vllm:spec_decode_num_accepted_tokens_per_pos_total", "vllm:inter_token_latency_seconds_bucket",
+            "vllm:time_to_first_token_seconds_bucket", "specserve_operator_tokens_per_dollar",
+            "specserve_operator_desired_replicas", "specserve_operator_rollout_step",
+            "specserve_operator_speculation_degraded"} <= used
+    # Grafana substitutes its variables before Prometheus sees a query: as "All" does, with .*
+    rules = [{"record": f"dashboard:query_{index}", "expr": re.sub(r"\$(tenant|namespace|serving)\b", ".*", expr)}
+             for index, expr in enumerate(expressions)]
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    checked = subprocess.run([shutil.which("promtool") or "promtool", "check", "rules", str(tmp_path / "rules.yml")],
+                             capture_output=True, text=True, check=False)
+    assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -112,11 +112,11 @@ def exported_series() -> tuple[set[str], set[str]]:
     return names, labels
 
 
-PROMQL_WORDS = {"by", "without", "on", "ignoring", "and", "or", "unless", "bool", "offset"}
+PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "bool", "offset"}
 
 
 def used_by(expr: str) -> tuple[set[str], set[str]]:
-    """The metric names and label names a PromQL expression uses (enough PromQL for the rules documented)."""
+    """The metric names and label names a PromQL expression uses (enough PromQL for the documented rules and the dashboard)."""
     labels = set(re.findall(r'(\w+)\s*(?:=~|!~|!=|=)\s*"', expr))
     for grouping in re.findall(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)", expr):
         labels |= {label.strip() for label in grouping.split(",") if label.strip()}
