@@ -290,10 +290,14 @@ def _cause(exc: BaseException) -> str:
 
 
 class ScrapeSource:
-    """No Prometheus configured: scrape every ready pod's /metrics and difference against the
-    previous scrape of the same revision's pods. The window is the time actually elapsed between
-    the two scrapes (not the requested `seconds`), so the first call per revision only records a
-    baseline. Never raises: an unreachable pod is a window with no data naming the pod."""
+    """No Prometheus configured: scrape every ready pod's /metrics and difference against an earlier
+    scrape of the same revision's pods: the newest one at least `seconds` old, else the oldest kept
+    (a shorter window). Several deciders measure one revision (the canary's analysis, the autoscaler,
+    the speculation health), each over its own interval: a scrape for one must not shorten another's
+    window, so the source keeps the scrapes that the longest window asked for a revision can still
+    use, not just the last one. The window is the time actually elapsed between the two scrapes, so
+    the first call per revision only records a baseline. Never raises: an unreachable pod is a window
+    with no data naming the pod."""
 
     name = "Pods"
 
@@ -301,12 +305,14 @@ class ScrapeSource:
                  timeout: float = 3):
         self.fetch = fetch or (lambda url: _get(url, timeout))
         self.clock = clock
-        self.previous: dict[tuple, tuple[float, Snapshot]] = {}  # (namespace, serving, revision) -> (when, scrape)
+        self.scrapes: dict[tuple, list[tuple[float, Snapshot]]] = {}  # (namespace, serving, revision) -> oldest first
+        self.longest: dict[tuple, float] = {}  # the longest window asked for, per revision
 
     def measure(self, target: Target, seconds: float) -> Window:
         key = (target.namespace, target.serving, target.revision)
         if target.ready_replicas <= 0 or not target.pod_urls:
-            self.previous.pop(key, None)
+            self.scrapes.pop(key, None)
+            self.longest.pop(key, None)
             return Window.no_data(target, seconds, "no ready replicas")
         now = self.clock()
         values = {}
@@ -314,15 +320,18 @@ class ScrapeSource:
             metrics_url = url.rstrip("/") + "/metrics"
             try:
                 values[url] = parse_metrics(self.fetch(metrics_url))
-            except (OSError, http.client.HTTPException, ValueError) as exc:  # the last baseline stays
+            except (OSError, http.client.HTTPException, ValueError) as exc:  # the earlier scrapes stay
                 return Window.no_data(target, seconds, f"cannot scrape {metrics_url}: {_cause(exc)}")
-        snapshot = Snapshot(values)
-        before = self.previous.get(key)
-        self.previous[key] = (now, snapshot)
+        kept = self.scrapes.setdefault(key, [])
+        before = next(((t, snap) for t, snap in reversed(kept) if now - t >= seconds), kept[0] if kept else None)
+        kept.append((now, Snapshot(values)))
+        longest = self.longest[key] = max(self.longest.get(key, 0.0), seconds)
+        while len(kept) > 1 and now - kept[1][0] >= longest:  # the newest scrape at least that old stays
+            kept.pop(0)
         if before is None:
             return Window.no_data(target, seconds, "first scrape; a window needs two")
         then, previous = before
-        return window_between(previous, snapshot, target, now - then)
+        return window_between(previous, kept[-1][1], target, now - then)
 
 
 def _get(url: str, timeout: float) -> str:

@@ -735,3 +735,24 @@ def test_prometheus_and_scrape_sources_agree_on_real_runtimes(tmp_path):
     finally:
         for process in processes:
             stop(process)
+
+
+def test_scrape_source_gives_each_decider_its_own_window_over_the_same_pods():
+    """The autoscaler (every 30 s) and the speculation health or a canary's analysis (every 60 s) scrape the same
+    revision, often in the same reconcile: each window spans its own interval, not the time since the other's scrape."""
+    a, b = target().pod_urls
+    pods = FakePods({a: runtime_text(generated=0), b: runtime_text(generated=0)})
+    source = ScrapeSource(fetch=pods.fetch, clock=pods.clock)
+    assert source.measure(target(), 30).missing == "first scrape; a window needs two"
+    health = []
+    for elapsed in (30, 60, 90, 120, 150, 180):
+        pods.now, generated = 100.0 + elapsed, 10 * elapsed  # 10 tokens/s per pod, all along
+        pods.texts = {a: runtime_text(generated=generated), b: runtime_text(generated=generated)}
+        autoscaler = source.measure(target(), 30)
+        assert autoscaler.seconds == 30 and autoscaler.tokens_per_second == pytest.approx(20.0)
+        if elapsed % 60 == 0:
+            health.append(source.measure(target(), 60))  # right after the autoscaler's scrape
+    # The first 60 s window is asked for before the source keeps scrapes that old: it spans what there is.
+    assert [w.seconds for w in health] == [30, 60, 60]
+    assert [w.generated_tokens for w in health] == pytest.approx([600, 1200, 1200])
+    assert len(source.scrapes[("team-a", "qwen", "abc123")]) <= 4  # only what a 60 s window can still use
