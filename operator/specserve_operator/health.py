@@ -33,9 +33,11 @@ from .autoscale import saturated
 from .capacity import Capacity
 from .measure import Window
 from .replicas import candidate_hash, candidate_runtime
+from .schedule import scheduled
 
 BASELINE_ANALYSES = 3  # windows with data whose mean acceptance length is a revision's baseline
-# A fallback's canary without spec.rollout: half the replicas for two default analysis intervals.
+# The canary of a candidate the operator starts (a fallback, a schedule) without spec.rollout: half the replicas
+# for two default analysis intervals.
 FALLBACK_STEPS = [api.RolloutStep(weight=50, analysis_seconds=120)]
 
 
@@ -91,7 +93,7 @@ def is_degraded(status: api.SpeculationStatus | None, health: api.SpeculationHea
     return status is not None and status.degraded_analyses >= health.sustained_analyses
 
 
-def with_fallback(spec: api.SpeculativeServingSpec, fallback: api.FallbackStatus | None,
+def with_fallback(spec: api.SpeculativeServingSpec, fallback: api.OperatorChange | None,
                   generation: int | None) -> api.SpeculativeServingSpec:
     """The spec the operator runs: the tenant's, or, while a fallback it started holds (the spec still at its
     generation), the degraded revision as the stable one and the fallback speculator as the rollout's candidate,
@@ -99,11 +101,27 @@ def with_fallback(spec: api.SpeculativeServingSpec, fallback: api.FallbackStatus
     chosen = spec.speculation_health.fallback
     if fallback is None or chosen is None or fallback.generation != generation:
         return spec
-    if spec.rollout is not None and fallback.from_revision == candidate_hash(spec):  # a promoted candidate degraded
+    return with_candidate(spec, fallback.from_revision, lambda live: chosen.speculator)
+
+
+def with_schedule(spec: api.SpeculativeServingSpec, draft_schedule: api.DraftScheduleStatus | None,
+                  generation: int | None) -> api.SpeculativeServingSpec:
+    """The spec the operator runs while a draft-length schedule it applied holds (schedule.py): the revision it was
+    proposed for as the stable one, the same speculator drafting by the schedule as the rollout's candidate."""
+    applied = draft_schedule.applied if draft_schedule is not None else None
+    if applied is None or applied.generation != generation:
+        return spec
+    return with_candidate(spec, applied.from_revision, lambda live: scheduled(live, applied.schedule))
+
+
+def with_candidate(spec: api.SpeculativeServingSpec, from_revision: str, candidate_of) -> api.SpeculativeServingSpec:
+    """`from_revision` (the spec's revision, or its promoted candidate's) as the stable revision and
+    candidate_of(its speculator) as the rollout's candidate."""
+    if spec.rollout is not None and from_revision == candidate_hash(spec):  # a promoted candidate
         speculator, runtime = spec.rollout.candidate.speculator, candidate_runtime(spec)
     else:
         speculator, runtime = spec.speculator, spec.runtime
-    candidate = api.Candidate(speculator=chosen.speculator)
+    candidate = api.Candidate(speculator=candidate_of(speculator))
     rollout = (spec.rollout.model_copy(update={"candidate": candidate}) if spec.rollout is not None
                else api.Rollout(candidate=candidate, steps=FALLBACK_STEPS))
     return spec.model_copy(update={"speculator": speculator, "runtime": runtime, "rollout": rollout})

@@ -11,13 +11,15 @@ from pathlib import Path
 import kopf
 from kubernetes.client.rest import ApiException
 from prometheus_client import Counter, Gauge
+from specserve_runtime.performance import Performance
 
 from . import api
 from .apply import Cluster
 from .measure import PrometheusSource, ScrapeSource
 from .reconcile import Outcome, cleanup, condition_true, reconcile
 from .render import Settings
-from .priors import load_capacity_priors
+from .priors import capacity_priors, load_performance
+from .schedule import draft_lengths
 from .validate import InputProblems
 
 
@@ -38,11 +40,13 @@ def seconds_from_env(name: str, default: float) -> float:
 def settings_from_env() -> Settings:
     """The operator's settings from its environment (the chart sets them); a bad one is an error naming it."""
     priors = os.environ.get("SPECSERVE_CAPACITY_PRIORS")
+    performance = load_performance(Path(priors)) if priors else Performance()
     return Settings(
         monitoring_namespace=os.environ.get("SPECSERVE_MONITORING_NAMESPACE", "monitoring"),
         operator_namespace=os.environ.get("SPECSERVE_OPERATOR_NAMESPACE", "specserve-system"),
         autoscale_interval_seconds=seconds_from_env("SPECSERVE_AUTOSCALE_INTERVAL_SECONDS", 30),
-        capacity_priors=load_capacity_priors(Path(priors)) if priors else {},
+        capacity_priors=capacity_priors(performance),
+        draft_lengths=draft_lengths(performance),
         replica_startup_seconds=seconds_from_env("SPECSERVE_REPLICA_STARTUP_SECONDS", 120),
     )
 
@@ -70,6 +74,10 @@ SPECULATION_DEGRADED = Gauge("specserve_operator_speculation_degraded",
                              "1 while the live revision's speculation no longer pays (condition SpeculationDegraded)", ["namespace", "serving"])
 ACCEPTANCE_RATIO = Gauge("specserve_operator_acceptance_ratio",
                          "The live revision's acceptance length over its baseline, last analysis", ["namespace", "serving"])
+SLO_ITL = Gauge("specserve_operator_slo_p99_inter_token_latency_seconds",
+                "The serving's SLO on p99 inter-token latency (spec.autoscaling.slo, else its profile's)", ["namespace", "serving"])
+SLO_TTFT = Gauge("specserve_operator_slo_p99_time_to_first_token_seconds",
+                 "The serving's SLO on p99 time to first token (spec.autoscaling.slo, else its profile's)", ["namespace", "serving"])
 SPEEDUP = Gauge("specserve_operator_speculation_speedup",
                 "Plain decoding's predicted time per token at the load measured over the live revision's, last analysis",
                 ["namespace", "serving"])
@@ -151,14 +159,23 @@ async def _reconcile_and_report(namespace: str, name: str, uid: str | None, memo
         ANALYSES.labels(outcome.report.verdict).inc()
         for gate in outcome.report.gates:
             GATES.labels(gate.name, gate.verdict).inc()
-    canary = outcome.status.get("canary")
+    publish_status(namespace, name, outcome.status, outcome.slo)
+
+
+def publish_status(namespace: str, name: str, status: dict, slo: api.Slo | None) -> None:
+    """The serving's gauges from the status just written and the SLO it is held to (what the dashboard and the
+    alerts read)."""
+    for gauge, ms in ((SLO_ITL, slo and slo.p99_inter_token_latency_ms), (SLO_TTFT, slo and slo.p99_time_to_first_token_ms)):
+        if ms is not None:
+            gauge.labels(namespace, name).set(ms / 1000)
+    canary = status.get("canary")
     STEP.labels(namespace, name).set(canary["step"] if canary else -1)
-    if outcome.status.get("autoscaling"):
-        DESIRED.labels(namespace, name).set(outcome.status["autoscaling"].get("desiredReplicas") or 0)
-    if (outcome.status.get("metrics") or {}).get("tokensPerDollar") is not None:
-        TOKENS_PER_DOLLAR.labels(namespace, name).set(outcome.status["metrics"]["tokensPerDollar"])
-    SPECULATION_DEGRADED.labels(namespace, name).set(condition_true(outcome.status, "SpeculationDegraded"))
-    last = (outcome.status.get("speculation") or {}).get("lastAnalysis") or {}
+    if status.get("autoscaling"):
+        DESIRED.labels(namespace, name).set(status["autoscaling"].get("desiredReplicas") or 0)
+    if (status.get("metrics") or {}).get("tokensPerDollar") is not None:
+        TOKENS_PER_DOLLAR.labels(namespace, name).set(status["metrics"]["tokensPerDollar"])
+    SPECULATION_DEGRADED.labels(namespace, name).set(condition_true(status, "SpeculationDegraded"))
+    last = (status.get("speculation") or {}).get("lastAnalysis") or {}
     for gauge, key in ((ACCEPTANCE_RATIO, "acceptanceRatio"), (SPEEDUP, "speedup")):
         if key in last:
             gauge.labels(namespace, name).set(last[key])

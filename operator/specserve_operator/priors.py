@@ -1,5 +1,6 @@
 """The operator's capacity prior (SPECSERVE_CAPACITY_PRIORS, the chart's capacityPriors): a performance block, the
-same a scenario carries (specserve_runtime.performance), as the autoscaler's prior per speculator method."""
+same a scenario carries (specserve_runtime.performance), as the autoscaler's prior per speculator method and, where
+it measured fixed draft lengths, what draft-length schedules are proposed from (schedule.py)."""
 
 from pathlib import Path
 
@@ -18,7 +19,7 @@ def capacity_priors(performance: Performance) -> dict[str, Prior]:
             for method in METHODS if (table := getattr(performance, method)) is not None}
 
 
-def load_capacity_priors(path: Path) -> dict[str, Prior]:
+def load_performance(path: Path) -> Performance:
     """The operator's SPECSERVE_CAPACITY_PRIORS: a YAML `performance` block, as in a scenario.
     A file that cannot be used is an error naming it and the problem (the operator does not start)."""
     try:
@@ -27,4 +28,4 @@ def load_capacity_priors(path: Path) -> dict[str, Prior]:
         raise InputProblems([f"{path}: cannot read ({' '.join(str(exc).split())})"]) from exc
     except ValidationError as exc:
         raise InputProblems([f"{path}: {p.removeprefix('.')}" for p in pydantic_problems("", exc)]) from exc
-    return capacity_priors(performance)
+    return performance

@@ -14,13 +14,14 @@ from specserve_runtime.config import DEFAULT_PORT
 
 from . import api, autoscale, health
 from .analysis import Report
-from .capacity import Prior, fit
+from .live import apply_schedule, speculation_health, start_fallback
 from .measure import MeasurementError, Pricing, ScrapeSource, Target, Window
 from .render import CHILD_KINDS, Profile, Serving, Settings, render_all
-from .replicas import (Revision, Traffic, candidate_hash, planned_revisions, pods_to_keep, replica_budget, replica_ceiling, replica_room, revision_hash,
+from .replicas import (Traffic, candidate_hash, planned_revisions, pods_to_keep, replica_budget, replica_ceiling, replica_room, revision_hash,
                        revisions)
 from .rollout import Decision, Event, parse_time, timestamp
 from .rollout import tick as rollout_tick
+from .schedule import capacity_prior
 from .validate import check_against_profile, parse_profile, parse_serving
 
 REVISION_SCOPED = {("v1", "ConfigMap"), ("apps/v1", "Deployment")}
@@ -51,6 +52,7 @@ class Outcome:
     events: list[Event] = field(default_factory=list)
     consumed_annotations: list[str] = field(default_factory=list)
     report: Report | None = None  # this interval's analysis, when one was due
+    slo: api.Slo | None = None  # what the serving is held to (valid specs only)
 
 
 def set_condition(conditions: list[dict], type_: str, status: bool, reason: str, message: str, at: str) -> list[dict]:
@@ -194,7 +196,7 @@ def autoscale_serving(cluster: Cluster, source, serving: Serving, profile: Profi
     measured = [r.hash for r in running] + [h for h in serving_now if h not in {r.hash for r in running}]
     windows, problem, measured_by = measure_interval(cluster, source, serving, profile, measured, deployments,
                                                      settings.autoscale_interval_seconds, fallback)
-    priors = {r.hash: settings.capacity_priors.get(r.speculator.method, Prior()) for r in running}
+    priors = {r.hash: capacity_prior(r.speculator, settings.capacity_priors, settings.draft_lengths) for r in running}
     status, scale = autoscale.tick(previous, windows, [r.hash for r in running], priors, spec, profile.spec, effective_slo(spec, profile), current,
                                    decision.stage == "Canary", now, settings.replica_startup_seconds)
     status = status.model_copy(update={"last_evaluation_time": timestamp(now), "measured_by": measured_by})
@@ -209,49 +211,6 @@ def autoscale_serving(cluster: Cluster, source, serving: Serving, profile: Profi
         also = "; measured the pods' /metrics directly" if measured_by != "None" else ""
         result.events.append(Event("Warning", "MeasurementFailed", problem + also))
     return result
-
-
-def speculation_health(cluster: Cluster, source, serving: Serving, profile: Profile, settings: Settings, old_status: dict,
-                       stage: str, live: Revision, deployments: dict[str, dict], now: datetime.datetime,
-                       ) -> tuple[api.SpeculationStatus | None, tuple[bool, str, str] | None, list[Event]]:
-    """The live revision's continuous analysis (health.py) when it speculates and runs without a canary:
-    status.speculation, the SpeculationDegraded condition (None: leave it as it is) and the Events of a change.
-    Measured through the source alone, as a canary is: an outage holds the analysis and never degrades."""
-    policy = serving.spec.speculation_health
-    previous = api.SpeculationStatus.model_validate(old_status["speculation"]) if old_status.get("speculation") else None
-    if not policy.enabled or live.speculator.method == "none":
-        return None, (False, "Disabled" if not policy.enabled else "NotSpeculating", ""), []
-    was = health.is_degraded(previous, policy)
-    due = previous is None or previous.last_evaluation_time is None or \
-        (now - parse_time(previous.last_evaluation_time)).total_seconds() >= policy.interval_seconds
-    if stage == "Canary" or not due:  # a canary compares revisions; otherwise one serves (an aborted one drains)
-        return previous, None, []
-    (window,), _, _ = measure_interval(cluster, source, serving, profile, [live.hash], deployments, policy.interval_seconds)
-    prior = settings.capacity_priors.get("none")
-    plain = fit([], prior) if prior is not None and prior.points else None
-    status = health.assess(previous, live.hash, window, policy, plain, timestamp(now))
-    degraded = health.is_degraded(status, policy)
-    analysis = status.last_analysis
-    figures = "; ".join(analysis.reasons)
-    message = f"revision {live.hash} ({live.speculator.method}): {analysis.verdict}: {figures}"
-    events = []
-    if degraded and not was:
-        events.append(Event("Warning", "SpeculationDegraded", f"{status.degraded_analyses} degraded analyses in a row, {message}"))
-    elif was and not degraded:
-        events.append(Event("Normal", "SpeculationRecovered", message))
-    reason = "Degraded" if degraded else "NotSustained" if analysis.verdict == "Degraded" else analysis.verdict
-    return status, (degraded, reason, message), events
-
-
-def start_fallback(spec: api.SpeculativeServingSpec, degraded: tuple[bool, str, str] | None, live: Revision,
-                   generation: int | None, at: str, events: list[Event]) -> api.FallbackStatus | None:
-    """A fallback (health.with_fallback) when the live revision is degraded and the spec names one to roll out."""
-    chosen = spec.speculation_health.fallback
-    if not (degraded and degraded[0] and chosen and chosen.auto_fallback and chosen.speculator != live.speculator):
-        return None
-    events.append(Event("Warning", "FallbackStarted", f"revision {live.hash} ({live.speculator.method}) is degraded: "
-                                                      f"rolling {chosen.speculator.method} out as a canary candidate"))
-    return api.FallbackStatus(generation=generation, from_revision=live.hash, at=at)
 
 
 def draining_pods(cluster: Cluster, serving: Serving) -> int:
@@ -352,11 +311,18 @@ def reconcile(cluster: Cluster, body: dict, settings: Settings, source, now: dat
     if problems:  # touch nothing that is already serving
         return Outcome(invalid_status(old_status, generation, problems, at), problems)
 
-    # A fallback the operator started (health.with_fallback); not `fallback`, the pods' /metrics source.
-    started = api.FallbackStatus.model_validate(old_status["fallback"]) if old_status.get("fallback") else None
+    # Candidates the operator started (a fallback, a draft-length schedule) hold while the spec keeps its generation:
+    # a changed spec runs as the tenant asks. `started` is the fallback; not `fallback`, the pods' /metrics source.
+    started = api.OperatorChange.model_validate(old_status["fallback"]) if old_status.get("fallback") else None
     if started is not None and started.generation != generation:
-        started = None  # the tenant changed the spec: what it asks for runs
-    serving = replace(serving, spec=health.with_fallback(serving.spec, started, generation))
+        started = None
+    speculation = api.SpeculationStatus.model_validate(old_status["speculation"]) if old_status.get("speculation") else None
+    draft_schedule = (api.DraftScheduleStatus.model_validate(old_status["draftSchedule"])
+                      if old_status.get("draftSchedule") else None)
+    if draft_schedule is not None and draft_schedule.applied is not None and draft_schedule.applied.generation != generation:
+        draft_schedule = draft_schedule.model_copy(update={"applied": None})
+    serving = replace(serving, spec=health.with_fallback(health.with_schedule(serving.spec, draft_schedule, generation),
+                                                         started, generation))
     spec = serving.spec
     existing = {kind: children(cluster, kind, serving.name, serving.namespace) for kind in CHILD_KINDS}
     deployments = {d["metadata"]["name"]: d for d in existing[("apps/v1", "Deployment")]}
@@ -366,7 +332,7 @@ def reconcile(cluster: Cluster, body: dict, settings: Settings, source, now: dat
 
     # The order of the decisions: the rollout decides the stage and weight; the autoscaler sizes the
     # total for the revisions that stage runs; rendering splits the total by the weight.
-    outcome, problems_seen = Outcome({}), []
+    outcome, problems_seen = Outcome({}, slo=effective_slo(spec, profile)), []
 
     def measure(revisions_: list[str]) -> list[Window]:
         windows, problem, _ = measure_interval(cluster, source, serving, profile, revisions_, deployments,
@@ -412,15 +378,26 @@ def reconcile(cluster: Cluster, body: dict, settings: Settings, source, now: dat
     canary_revision = revs[1].hash if len(revs) > 1 else None
     traffic = replace(traffic, stable_backend=stable_backend(serving, revs[0].hash, revs[0].replicas, deployments,
                                                              canary_revision))
-    speculation, degraded, health_events = speculation_health(cluster, source, serving, profile, settings, old_status,
-                                                              decision.stage, revs[0], deployments, now)
-    started = started or start_fallback(serving.spec, degraded, revs[0], generation, at, health_events)
+    live = revs[0]
+
+    def measure_live() -> Window:
+        interval = serving.spec.speculation_health.interval_seconds
+        (window,), _, _ = measure_interval(cluster, source, serving, profile, [live.hash], deployments, interval)
+        return window
+
+    watched = speculation_health(serving.spec, settings, speculation, draft_schedule, decision.stage, live, measure_live, now)
+    speculation, degraded, health_events = watched.speculation, watched.degraded, watched.events
+    started = started or start_fallback(serving.spec, degraded, live, generation, at, health_events)
+    draft_schedule = watched.draft_schedule
+    if not started:  # a fallback goes first
+        draft_schedule = apply_schedule(serving.spec, draft_schedule, live, decision.stage, generation, at, health_events)
     desired = render_all(serving, profile, settings, traffic, scaling.replicas)
     for obj in desired:
         outcome.applied[f"{obj['kind']}/{obj['metadata']['name']}"] = cluster.apply(obj)
     outcome.status = serving_status(serving, profile, old_status, generation, existing, decision, revs, total, scaling, at)
     outcome.status["speculation"] = speculation.model_dump(by_alias=True, exclude_none=True) if speculation else None
     outcome.status["fallback"] = started.model_dump(by_alias=True, exclude_none=True) if started else None
+    outcome.status["draftSchedule"] = draft_schedule.model_dump(by_alias=True, exclude_none=True) if draft_schedule else None
     if degraded is not None:
         outcome.status["conditions"] = set_condition(outcome.status["conditions"], "SpeculationDegraded", *degraded, at)
     if outcome.status["phase"] == "Serving" and condition_true(outcome.status, "SpeculationDegraded"):

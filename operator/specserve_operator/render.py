@@ -14,6 +14,7 @@ from specserve_runtime.config import CONFIG_FILE, CONFIG_MOUNT, DEFAULT_PORT, PV
 from . import api
 from .capacity import Prior
 from .replicas import Revision, Traffic, planned_revisions
+from .schedule import DraftLengths
 
 # Child kinds the operator owns and garbage-collects itself (label specserve.io/serving=<name>).
 CHILD_KINDS = [
@@ -56,6 +57,9 @@ class Settings:
     # The autoscaler's capacity prior per speculator method, until measured windows outweigh it
     # (capacity.py): SPECSERVE_CAPACITY_PRIORS in the operator, the scenario's performance in the simulator.
     capacity_priors: Mapping[str, Prior] = field(default_factory=dict)
+    # Per speculator method, its fixed draft lengths measured by the bench: what schedules are proposed from
+    # (schedule.py); from the same performance block.
+    draft_lengths: Mapping[str, DraftLengths] = field(default_factory=dict)
     # How long a new runtime replica takes to serve (image pull, model load): the autoscaler plans a
     # rising demand this far ahead (SPECSERVE_REPLICA_STARTUP_SECONDS; a scenario's startupSeconds).
     replica_startup_seconds: float = 120.0

@@ -210,19 +210,19 @@ def performance_block(results: dict[str, dict], max_num_seqs: int) -> dict:
     """The measured curves as a `performance` block (docs/simulator.md): per method one row per
     concurrency with the median per-request decode rate and the median time to first token;
     maxConcurrency is the batch the servers ran with."""
-    block = {}
-    for name, result in results.items():
-        levels = result["levels"]
-        requests = sum(level["requests"] + level["errors"] for level in levels)
-        rows = [{"concurrency": level["concurrency"], "tokensPerSecondPerRequest": level["tokens_per_second_per_request"],
-                 "ttftMs": level["ttft_p50_ms"]} for level in levels]
-        block[scenario_method(name)] = {
-            "acceptanceLength": result["acceptance_length"],
-            "errorRate": round(sum(level["errors"] for level in levels) / requests, 4) if requests else 0.0,
-            "maxConcurrency": max_num_seqs,
-            "curve": rows,
-        }
-    return block
+    return {scenario_method(name): performance_row(result, max_num_seqs) for name, result in results.items()}
+
+
+def performance_row(result: dict, max_num_seqs: int) -> dict:
+    levels = result["levels"]
+    requests = sum(level["requests"] + level["errors"] for level in levels)
+    return {
+        "acceptanceLength": result["acceptance_length"],
+        "errorRate": round(sum(level["errors"] for level in levels) / requests, 4) if requests else 0.0,
+        "maxConcurrency": max_num_seqs,
+        "curve": [{"concurrency": level["concurrency"], "tokensPerSecondPerRequest": level["tokens_per_second_per_request"],
+                   "ttftMs": level["ttft_p50_ms"]} for level in levels],
+    }
 
 
 def ratio_to_plain(level: dict, plain: dict) -> float:
@@ -251,4 +251,21 @@ def table(results: dict[str, dict]) -> str:
                 f"{level['itl_p50_ms']}/{level['itl_p99_ms']}", f"{level['ttft_p50_ms']}/{level['ttft_p99_ms']}",
                 str(level["errors"]),
             ))
+    return "\n".join(markdown_table(rows))
+
+
+def schedule_table(results: dict[str, dict], method: str, lengths: list[int], schedule: str) -> str:
+    """Per concurrency: plain decoding's total tokens/s, the best fixed draft length's, the schedule's, and the
+    schedule against the better of the two (each ratio the median of the rounds' ratios, as `vs ar`)."""
+    rows = [("concurrency", "ar tok/s", "best fixed length", "schedule tok/s", "schedule vs ar",
+             "schedule vs best of fixed and ar")]
+    for index, plain in enumerate(results["ar"]["levels"]):
+        fixed = {k: results[f"{method}:{k}"]["levels"][index] for k in lengths}
+        best_k = max(fixed, key=lambda k: fixed[k]["output_tokens_per_second"])
+        level = results[schedule]["levels"][index]
+        best = fixed[best_k] if fixed[best_k]["output_tokens_per_second"] > plain["output_tokens_per_second"] else plain
+        rows.append((str(plain["concurrency"]), f"{plain['output_tokens_per_second']:.1f}",
+                     f"{best_k}: {fixed[best_k]['output_tokens_per_second']:.1f}, {ratio_to_plain(fixed[best_k], plain):.2f}x",
+                     f"{level['output_tokens_per_second']:.1f}", f"{ratio_to_plain(level, plain):.2f}x",
+                     f"{ratio_to_plain(level, best):.2f}x"))
     return "\n".join(markdown_table(rows))

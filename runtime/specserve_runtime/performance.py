@@ -24,12 +24,8 @@ class CurvePoint(Strict):
     ttft_ms: float = Field(ge=0)
 
 
-class MethodPerformance(Strict):
-    acceptance_length: float = Field(1.0, ge=1)
-    error_rate: float = Field(0.0, ge=0, le=1)
+class MeasuredCurve(Strict):
     curve: list[CurvePoint] = Field(min_length=1)
-    max_concurrency: int | None = Field(None, ge=1, description="the engine's batch: more requests wait (default: "
-                                                                "the curve's highest concurrency)")
 
     @model_validator(mode="after")
     def _sorted(self):
@@ -37,6 +33,29 @@ class MethodPerformance(Strict):
             if self.curve[index].concurrency <= self.curve[index - 1].concurrency:
                 raise ValueError(f"curve[{index}].concurrency: {self.curve[index].concurrency:g} must be greater than "
                                  f"the previous row's ({self.curve[index - 1].concurrency:g})")
+        return self
+
+
+class DraftLengthPerformance(MeasuredCurve):
+    """The method drafting a fixed numSpeculativeTokens a step: what a draft-length schedule is chosen from."""
+
+    num_speculative_tokens: int = Field(ge=1, le=64)
+    acceptance_length: float = Field(1.0, ge=1)
+
+
+class MethodPerformance(MeasuredCurve):
+    acceptance_length: float = Field(1.0, ge=1)
+    error_rate: float = Field(0.0, ge=0, le=1)
+    max_concurrency: int | None = Field(None, ge=1, description="the engine's batch: more requests wait (default: "
+                                                                "the curve's highest concurrency)")
+    draft_lengths: list[DraftLengthPerformance] = Field([], description="the method at fixed draft lengths "
+                                                                         "(`specserve bench --propose-schedule`)")
+
+    @model_validator(mode="after")
+    def _one_row_per_length(self):
+        lengths = [row.num_speculative_tokens for row in self.draft_lengths]
+        if len(set(lengths)) < len(lengths):
+            raise ValueError(f"draftLengths: each numSpeculativeTokens once, got {lengths}")
         return self
 
 
@@ -48,3 +67,12 @@ class Performance(Strict):
 
 
 METHODS: tuple[str, ...] = get_args(RuntimeConfig.model_fields["method"].annotation)
+
+
+def draft_length_curves(performance: Performance, method: str) -> dict[int, list[CurvePoint]]:
+    """The method's curves by fixed draft length, with plain decoding's (method none) as length 0 when measured."""
+    table = getattr(performance, method)
+    curves = {row.num_speculative_tokens: row.curve for row in table.draft_lengths} if table else {}
+    if curves and performance.none is not None:
+        curves[0] = performance.none.curve
+    return curves

@@ -149,7 +149,7 @@ EVERYTHING_ON = {
 
 def test_every_option_on_renders_valid_objects_the_operator_can_read(chart, tmp_path):
     from specserve_operator import api
-    from specserve_operator.priors import load_capacity_priors
+    from specserve_operator.priors import capacity_priors, load_performance
 
     objects = rendered_objects(chart, EVERYTHING_ON)
     for obj in objects:  # no schemas for monitoring.coreos.com or our own group in kubernetes-validate
@@ -162,7 +162,7 @@ def test_every_option_on_renders_valid_objects_the_operator_can_read(chart, tmp_
     # The priors ConfigMap is what the operator loads at start-up (SPECSERVE_CAPACITY_PRIORS).
     config_map = by_kind["ConfigMap"]
     (path := tmp_path / "capacity-priors.yaml").write_text(config_map["data"]["capacity-priors.yaml"])
-    assert [p.in_flight_per_replica for p in load_capacity_priors(path)["dflash"].points] == [0, 15]  # rows at concurrency 1 and 16
+    assert [p.in_flight_per_replica for p in capacity_priors(load_performance(path))["dflash"].points] == [0, 15]  # rows at concurrency 1 and 16
     pod = by_kind["Deployment"]["spec"]["template"]["spec"]
     container = pod["containers"][0]
     env = {e["name"]: e["value"] for e in container["env"]}
@@ -176,12 +176,12 @@ def test_every_option_on_renders_valid_objects_the_operator_can_read(chart, tmp_
 
 def test_a_measured_performance_block_is_a_capacity_prior_the_operator_loads(chart, tmp_path):
     """What `specserve bench --emit-performance` wrote goes into the chart as it is."""
-    from specserve_operator.priors import load_capacity_priors
+    from specserve_operator.priors import capacity_priors, load_performance
 
     measured = yaml.safe_load(Path("docs/examples/performance-embedded-cpu.yaml").read_text())
     config_map = next(o for o in rendered_objects(chart, {"capacityPriors": measured}) if o["kind"] == "ConfigMap")
     (path := tmp_path / "priors.yaml").write_text(config_map["data"]["capacity-priors.yaml"])
-    assert set(load_capacity_priors(path)) == {"none", "ngram", "eagle3", "dflash"}
+    assert set(capacity_priors(load_performance(path))) == {"none", "ngram", "eagle3", "dflash"}
 
 
 def test_the_operator_pod_is_hardened(chart):

@@ -107,8 +107,8 @@ SPEC = api.SpeculativeServingSpec.model_validate({
     "speculationHealth": {"fallback": {"speculator": {"method": "ngram", "numSpeculativeTokens": 4}}}})
 
 
-def started(spec: api.SpeculativeServingSpec, degraded: str, generation: int = 3) -> api.FallbackStatus:
-    return api.FallbackStatus(generation=generation, from_revision=degraded, at="2026-12-05T10:00:00Z")
+def started(spec: api.SpeculativeServingSpec, degraded: str, generation: int = 3) -> api.OperatorChange:
+    return api.OperatorChange(generation=generation, from_revision=degraded, at="2026-12-05T10:00:00Z")
 
 
 def test_a_fallback_is_the_rollout_of_the_spec_the_operator_runs_while_the_spec_keeps_its_generation():

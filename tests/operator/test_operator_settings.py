@@ -1,6 +1,8 @@
 """The operator's settings come from its environment (the chart sets them): a bad one stops it at start,
 naming the variable, before kopf runs."""
 
+from pathlib import Path
+
 import pytest
 
 from specserve_operator.main import settings_from_env
@@ -31,3 +33,20 @@ def test_the_operator_command_exits_2_naming_a_bad_setting_before_starting(monke
     monkeypatch.setenv("SPECSERVE_AUTOSCALE_INTERVAL_SECONDS", "often")
     assert main(["operator", "--namespace", "team-a", "--metrics-port", "0"]) == 2
     assert "SPECSERVE_AUTOSCALE_INTERVAL_SECONDS='often'" in capsys.readouterr().err
+
+
+
+def test_the_capacity_priors_file_gives_the_autoscaler_s_priors_and_the_draft_lengths_to_propose_from(monkeypatch, tmp_path):
+    import yaml
+
+    scenario = Path(__file__).resolve().parents[2] / "docs" / "scenarios" / "draft-schedule.yaml"
+    priors = tmp_path / "capacity-priors.yaml"
+    priors.write_text(yaml.safe_dump(yaml.safe_load(scenario.read_text())["performance"]))
+    monkeypatch.setenv("SPECSERVE_CAPACITY_PRIORS", str(priors))
+    settings = settings_from_env()
+    assert set(settings.capacity_priors) == {"none", "dflash"}
+    assert set(settings.draft_lengths) == {"dflash"}  # plain decoding is length 0, not a method with lengths
+    assert sorted(settings.draft_lengths["dflash"].curves) == [0, 3, 7]
+    assert settings.draft_lengths["dflash"].acceptance == {0: 1.0, 3: 2.9, 7: 4.4}
+    monkeypatch.delenv("SPECSERVE_CAPACITY_PRIORS")
+    assert settings_from_env().draft_lengths == {}

@@ -145,6 +145,31 @@ def test_a_degraded_drafter_falls_back_through_a_canary_and_the_fleet_does_bette
     assert fell_back["tokensPerDollarVsInFlight"] > kept["tokensPerDollarVsInFlight"]
 
 
+def test_an_applied_draft_length_schedule_is_promoted_and_pays_more_than_the_fixed_length_it_replaces(tmp_path):
+    """draft-schedule.yaml: `schedule: Apply` rolls the schedule proposed from the bench's draft lengths out as a
+    canary candidate against the fixed 7 drafts, promoted in every seed within budget; the same serving proposing only
+    keeps 7 drafts and serves the same requests at fewer tokens per dollar."""
+    applied = five_seeds_of("draft-schedule")
+    doc = document("draft-schedule")
+    doc["serving"]["speculationHealth"]["schedule"] = "Propose"
+    code, out, err = run("--scenario", str(write(tmp_path, doc)), "--seeds", "5")
+    assert code == 0, err
+    proposed = json.loads(out.strip().splitlines()[-1])
+    assert applied["decisions"] == {"Promoted": 5} and proposed["decisions"] == {"None": 5}
+    assert applied["maxHourlyCostUSD"] <= doc["profile"]["limits"]["maxHourlyCostUSD"]
+    assert applied["sloAttainment"]["min"] >= 0.99
+    assert applied["tokensPerDollarVsInFlight"] > 1.2 * proposed["tokensPerDollarVsInFlight"]  # the same inFlight baseline
+
+
+def test_a_schedule_drafting_a_length_the_bench_did_not_measure_is_a_scenario_error(tmp_path):
+    doc = document("draft-schedule")
+    doc["serving"]["speculator"]["numSpeculativeTokensPerBatchSize"] = [
+        {"minBatchSize": 1, "maxBatchSize": 4, "numSpeculativeTokens": 5}, {"minBatchSize": 5, "numSpeculativeTokens": 0}]
+    code, _, err = run("--scenario", str(write(tmp_path, doc)))
+    assert code != 0
+    assert "performance.dflash.draftLengths" in err and "[5]" in err
+
+
 @pytest.mark.parametrize("name", ["prometheus-outage-mid-step", "operator-restart-mid-step"])
 def test_nothing_is_promoted_during_the_fault_and_no_step_is_lost(name):
     result = result_of(name)
@@ -502,17 +527,17 @@ def test_the_operators_capacity_prior_file_is_a_performance_block(tmp_path):
     """SPECSERVE_CAPACITY_PRIORS: the same `performance` block as a scenario's; a bad one names the file and key."""
     good = write(tmp_path, document("diurnal-dflash")["performance"], "priors.yaml")
     from specserve_operator.capacity import Point
-    from specserve_operator.priors import load_capacity_priors
+    from specserve_operator.priors import capacity_priors, load_performance
     from specserve_operator.validate import InputProblems
 
-    priors = load_capacity_priors(good)
+    priors = capacity_priors(load_performance(good))
     assert set(priors) == {"eagle3", "dflash"}
     # a request at concurrency 1 finds no other in flight; ms per token (p99 and mean alike), TTFT
     assert priors["dflash"].points[0] == Point(0, 1000 / 230, 50, 1000 / 230)
     assert priors["dflash"].batch == 32  # no maxConcurrency: the curve's highest concurrency
     bad = write(tmp_path, {"dflash": {"curve": [{"concurrency": 1, "tokensPerSecond": 5, "ttftMs": 1}]}}, "bad.yaml")
     with pytest.raises(InputProblems) as caught:
-        load_capacity_priors(bad)
+        capacity_priors(load_performance(bad))
     assert str(bad) in str(caught.value) and "dflash.curve[0].tokensPerSecond" in str(caught.value)
     with pytest.raises(InputProblems, match="absent.yaml: cannot read"):
-        load_capacity_priors(tmp_path / "absent.yaml")
+        capacity_priors(load_performance(tmp_path / "absent.yaml"))

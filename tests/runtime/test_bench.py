@@ -99,7 +99,7 @@ def test_bench_runs_the_drafter_of_the_folder_it_is_given(capsys):
 
 
 def test_the_performance_block_is_what_simulate_and_the_operator_read(tmp_path):
-    from specserve_operator.priors import load_capacity_priors
+    from specserve_operator.priors import capacity_priors, load_performance
     from specserve_runtime.bench import performance_block
     from specserve_runtime.commands.bench import write_performance
 
@@ -114,7 +114,7 @@ def test_the_performance_block_is_what_simulate_and_the_operator_read(tmp_path):
     assert block["dflash"] == {"acceptanceLength": 2.5, "errorRate": 0.0, "maxConcurrency": 1,
                                "curve": [{"concurrency": 1, "tokensPerSecondPerRequest": 22.0, "ttftMs": 55.0}]}
     write_performance(block, path := tmp_path / "performance.yaml")
-    priors = load_capacity_priors(path)  # the operator's SPECSERVE_CAPACITY_PRIORS reads it as is
+    priors = capacity_priors(load_performance(path))  # the operator's SPECSERVE_CAPACITY_PRIORS reads it as is
     # the row at concurrency 1: a request that finds none other in flight
     assert priors["dflash"].points[0].in_flight_per_replica == 0 and priors["none"].points[0].p99_time_to_first_token_ms == 50.0
     assert priors["dflash"].batch == 1  # one sequence at a time: the autoscaler knows more would wait
@@ -231,7 +231,7 @@ def test_acceptance_length_is_read_from_a_metrics_page():
 
 
 def test_load_curves_become_a_performance_block_with_a_row_per_concurrency(tmp_path):
-    from specserve_operator.priors import load_capacity_priors
+    from specserve_operator.priors import capacity_priors, load_performance
     from specserve_runtime.commands.bench import write_performance
     from specserve_runtime.load_bench import performance_block, table
 
@@ -247,7 +247,7 @@ def test_load_curves_become_a_performance_block_with_a_row_per_concurrency(tmp_p
         {"concurrency": 1, "tokensPerSecondPerRequest": 15.0, "ttftMs": 90.0},
         {"concurrency": 4, "tokensPerSecondPerRequest": 8.2, "ttftMs": 150.0}]}
     write_performance(block, path := tmp_path / "performance.yaml")
-    assert [point.in_flight_per_replica for point in load_capacity_priors(path)["none"].points] == [0, 3]  # rows 1 and 4
+    assert [point.in_flight_per_replica for point in capacity_priors(load_performance(path))["none"].points] == [0, 3]  # rows 1 and 4
     rendered = table(results)
     assert "| dflash:3 | 4 " in rendered and "1.10x" in rendered and "1.50x" in rendered  # against ar, level by level
 
@@ -260,6 +260,11 @@ def test_load_curves_become_a_performance_block_with_a_row_per_concurrency(tmp_p
     (["--concurrency", "1", "--url", "http://127.0.0.1:1"], "--url benches the one method that server runs"),
     (["--concurrency", "1", "--kernels"], "--concurrency measures greedy serving"),
     (["--concurrency", "1", "--requests-per-client", "0"], "--requests-per-client must be >= 1"),
+    (["--concurrency", "1", "--methods", "ar,dflash", "--propose-schedule", "2,1"], "increasing draft lengths >= 1"),
+    (["--concurrency", "1", "--methods", "ar,dflash", "--propose-schedule", "0"], "increasing draft lengths >= 1"),
+    (["--concurrency", "1", "--methods", "ar,eagle3,dflash", "--propose-schedule", "1"], "--methods ar,METHOD without :K"),
+    (["--concurrency", "1", "--methods", "dflash", "--propose-schedule", "1"], "--methods ar,METHOD without :K"),
+    (["--concurrency", "1", "--methods", "ar,dflash:3", "--propose-schedule", "1"], "--methods ar,METHOD without :K"),
     (["--closed-loop", "0"], "--closed-loop 0: the batch size must be >= 1"),
     (["--closed-loop", "8", "--round-steps", "0"], "--round-steps 0: a round must take at least one step"),
     (["--closed-loop", "8", "--kernels"], "--closed-loop measures greedy decoding under load in process"),
@@ -292,6 +297,48 @@ def test_load_bench_measures_a_live_server_at_each_concurrency(tmp_path, capsys)
     block = Performance.model_validate(yaml.safe_load(performance.read_text()))
     assert block.none.max_concurrency == 3 and [row.concurrency for row in block.eagle3.curve] == [1, 3]
     assert "| eagle3" in "\n".join(out)
+
+
+def test_a_schedule_bench_writes_every_fixed_length_as_draft_lengths_and_compares_the_schedule_with_the_best():
+    from specserve_runtime.commands.bench import schedule_performance_block
+    from specserve_runtime.load_bench import schedule_table
+    from specserve_runtime.performance import Performance, draft_length_curves
+
+    def result(acceptance, *levels):
+        return {"acceptance_length": acceptance, "levels": [
+            {"concurrency": c, "requests": 4, "errors": 0, "output_tokens_per_second": total, "rounds": [total],
+             "tokens_per_second_per_request": total / c, "ttft_p50_ms": 20.0} for c, total in levels]}
+
+    results = {"ar": result(1.0, (1, 100), (4, 300)), "dflash:1": result(1.6, (1, 130), (4, 280)),
+               "dflash:2": result(2.0, (1, 150), (4, 240)), "dflash schedule": result(1.8, (1, 147), (4, 303))}
+    block = Performance.model_validate(schedule_performance_block(results, "dflash", [1, 2], 4))
+    assert block.dflash.acceptance_length == 2.0  # the method's own row: its longest fixed length
+    assert [(r.num_speculative_tokens, r.acceptance_length) for r in block.dflash.draft_lengths] == [(1, 1.6), (2, 2.0)]
+    assert sorted(draft_length_curves(block, "dflash")) == [0, 1, 2]
+    rendered = schedule_table(results, "dflash", [1, 2], "dflash schedule")
+    assert "| 1           | 100.0    | 2: 150.0, 1.50x   | 147.0          | 1.47x          | 0.98x" in rendered
+    assert "| 4           | 300.0    | 1: 280.0, 0.93x   | 303.0          | 1.01x          | 1.01x" in rendered  # ar was best
+
+
+@pytest.mark.slow
+def test_a_schedule_bench_proposes_from_fixed_lengths_then_serves_the_schedule_beside_them(tmp_path, capsys):
+    from specserve_runtime.config import parse_schedule, schedule_problems
+    from specserve_runtime.performance import Performance
+    from specserve.cli import main
+
+    performance = tmp_path / "performance.yaml"
+    assert main(["bench", "--methods", "ar,dflash", "--concurrency", "1,2", "--propose-schedule", "1,2", "--limit", "2",
+                 "--max-new-tokens", "8", "--emit-performance", str(performance), "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(out[-1])
+    schedule = parse_schedule(summary["schedule"])
+    assert schedule_problems(schedule, "dflash", 2, "schedule") == []
+    assert set(summary["concurrency"]) == {"ar", "dflash:1", "dflash:2", "dflash schedule"}
+    assert all(level["errors"] == 0 and level["output_tokens_per_second"] > 0
+               for result in summary["concurrency"].values() for level in result["levels"])
+    block = Performance.model_validate(yaml.safe_load(performance.read_text()))
+    assert [row.num_speculative_tokens for row in block.dflash.draft_lengths] == [1, 2]
+    assert any("schedule vs best of fixed and ar" in line for line in out)
 
 
 def test_a_bench_variant_becomes_serve_flags():

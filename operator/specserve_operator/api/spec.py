@@ -250,6 +250,10 @@ class SpeculationHealth(Model):
                                "capacity prior of method none) / the measured, at least this; not judged without that prior")
     sustained_analyses: int = Field(3, ge=1, le=100, description="degraded analyses in a row that set SpeculationDegraded")
     fallback: Fallback | None = None
+    schedule: Literal["Off", "Propose", "Apply"] = Field(
+        "Propose", description="a draft-length schedule (numSpeculativeTokensPerBatchSize) from the capacity prior's "
+        "draftLengths and the live acceptance: Propose reports it in status.draftSchedule, Apply also rolls it out "
+        "through the canary once per spec generation when it is predicted 5% faster; Off neither")
 
 
 class ParentRef(Model):

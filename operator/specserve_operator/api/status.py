@@ -3,6 +3,7 @@
 from typing import Literal
 
 from pydantic import Field
+from specserve_runtime.config import BatchSizeRange
 
 from .spec import Model, Speculator
 
@@ -147,13 +148,30 @@ class SpeculationStatus(Model):
     last_analysis: SpeculationAnalysis | None = None
 
 
-class FallbackStatus(Model):
-    """A fallback the operator started (spec.speculationHealth.fallback): it holds while the spec keeps this
-    generation; any change of the spec ends it."""
+class OperatorChange(Model):
+    """A candidate the operator rolls out itself (a fallback, a draft-length schedule): it holds while the spec keeps
+    this generation; any change of the spec ends it."""
 
     generation: int | None = Field(description="metadata.generation of the spec it was started for")
-    from_revision: str = Field(description="the degraded revision it replaces")
+    from_revision: str = Field(description="the live revision it replaces")
     at: str
+
+
+class AppliedSchedule(OperatorChange):
+    schedule: list[BatchSizeRange] = Field(description="the schedule rolled out (later proposals do not change it)")
+
+
+class DraftScheduleStatus(Model):
+    """The draft-length schedule proposed for the live revision (schedule.py), and the one applied, if any."""
+
+    revision: str = Field(description="the live revision it was proposed for")
+    proposed: list[BatchSizeRange]
+    predicted_gain: float | None = Field(None, description="the proposal's predicted tokens/s over the live "
+                                                           "configuration's at the load measured")
+    in_flight_per_replica: float | None = None
+    reason: str = ""
+    at: str
+    applied: AppliedSchedule | None = Field(None, description="the schedule rolled out (schedule Apply), once per generation")
 
 
 Phase = Literal["Pending", "Serving", "Progressing", "Promoting", "RollingBack", "Degraded", "Invalid"]
@@ -169,7 +187,8 @@ class SpeculativeServingStatus(Model):
     metrics: MetricsStatus | None = None
     autoscaling: AutoscalingStatus | None = None
     speculation: SpeculationStatus | None = None
-    fallback: FallbackStatus | None = None
+    fallback: OperatorChange | None = None
+    draft_schedule: DraftScheduleStatus | None = None
     replicas: int = 0
     selector: str = ""
 

@@ -7,8 +7,11 @@ import math
 import random
 from collections import deque
 
+from specserve_runtime.config import RuntimeConfig
+from specserve_runtime.performance import MethodPerformance
+
 from ..measure import Pricing, Target, Window
-from .fleet_model import SERVING, Arrival, Bin, Pod, Request, RevisionModel, p99, weighted_p99
+from .fleet_model import SERVING, Arrival, Bin, Pod, Request, RevisionModel, p99, speculator_model, weighted_p99
 from .scenario import Scenario
 
 NOISE_SIGMA = 0.05  # lognormal sigma of the measured p99s
@@ -24,6 +27,7 @@ class Fleet:
 
     def __init__(self, scenario: Scenario, requests: list[Arrival], models: dict[str, RevisionModel], seed: int):
         self.scenario, self.models = scenario, models
+        self.performance = scenario.performance  # as drift faults leave it
         self.duration = scenario.duration_seconds
         self.startup = scenario.startup_seconds
         self.least_loaded = scenario.routing == "leastLoaded"
@@ -118,14 +122,25 @@ class Fleet:
                     b.steps += tokens / pod.model.acceptance_length
             t0 = edge
 
-    def drift(self, models: dict[str, RevisionModel], t: float) -> None:
-        """From `t` the revisions in `models` perform as these say (a drift fault): their pods too."""
+    def drift(self, method: str, performance: MethodPerformance, t: float) -> None:
+        """From `t` the revisions of `method` perform as `performance` says (a drift fault): their pods too, and
+        revisions created later."""
+        self.performance = self.performance.model_copy(update={method: performance})
+        models = {m.hash: speculator_model(m.hash, method, list(m.schedule), self.performance)
+                  for m in self.models.values() if m.method == method}
         self.models.update(models)
         for pod in self.live:
             if pod.model.hash in models:
                 self.account(pod, t)
                 pod.model = models[pod.model.hash]
                 self.reschedule(pod, t)
+
+    def add_revision(self, revision: str, config: RuntimeConfig) -> None:
+        """A revision the scenario does not name (the operator made it: a draft-length schedule), from its runtime
+        configuration."""
+        if revision not in self.models:
+            self.models[revision] = speculator_model(revision, config.method, config.num_speculative_tokens_per_batch_size,
+                                                     self.performance)
 
     def reschedule(self, pod: Pod, t: float) -> None:
         pod.rate = pod.model.curve.rate(pod.running) if pod.running else 0.0

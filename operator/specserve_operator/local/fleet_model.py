@@ -9,7 +9,9 @@ from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass
 
-from specserve_runtime.performance import MethodPerformance
+from specserve_runtime.config import BatchSizeRange, scheduled_tokens
+from specserve_runtime.draft_schedule import scheduled_curve
+from specserve_runtime.performance import MethodPerformance, Performance, draft_length_curves
 
 from .scenario import Scenario, truncated_normal
 
@@ -68,6 +70,27 @@ class RevisionModel:
     curve: Curve
     acceptance_length: float | None
     error_rate: float
+    schedule: tuple[BatchSizeRange, ...] = ()  # drafts by batch size (numSpeculativeTokensPerBatchSize)
+
+
+def speculator_model(revision: str, method: str, schedule: list[BatchSizeRange] | None,
+                     performance: Performance) -> RevisionModel:
+    """A revision of `method`: its performance table's, or, drafting by a batch-size schedule, at each batch size
+    the curve of the draft length the schedule gives it there (the method's draftLengths; 0: method none's), with
+    the acceptance length of the length it drafts at batch size 1."""
+    table = getattr(performance, method)
+    if not schedule:
+        return RevisionModel(revision, method, Curve(table), None if method == "none" else table.acceptance_length,
+                             table.error_rate)
+    tables = {row.num_speculative_tokens: row for row in table.draft_lengths}
+    try:
+        rows = scheduled_curve(draft_length_curves(performance, method), schedule)
+    except ValueError as exc:
+        raise ValueError(f"performance.{method}.draftLengths: revision {revision}: {exc}") from None
+    at_one = scheduled_tokens(schedule, 1)
+    acceptance = tables[at_one].acceptance_length if at_one else table.acceptance_length
+    scheduled = table.model_copy(update={"curve": rows, "draft_lengths": []})
+    return RevisionModel(revision, method, Curve(scheduled), acceptance, table.error_rate, tuple(schedule))
 
 
 # ---- requests and replicas ------------------------------------------------------------------------

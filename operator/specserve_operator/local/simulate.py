@@ -39,14 +39,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specserve_runtime.performance import MethodPerformance
 
 from ..reconcile import effective_slo
 from ..render import Profile
 from ..replicas import candidate_hash, candidate_runtime, replica_budget, revision_hash
 from .baselines import BASELINES
 from .fleet import Fleet
-from .fleet_model import Arrival, Curve, RevisionModel, arrivals
+from .fleet_model import Arrival, RevisionModel, arrivals, speculator_model
 from .scenario import Scenario, ScenarioError, load
 from .simulated_cluster import ROLLOUT_ENDS, Operator, TickRecord
 
@@ -63,19 +62,17 @@ class Run:
 
 
 def revision_models(scenario: Scenario) -> dict[str, RevisionModel]:
+    """The models of the revisions the spec names; one the operator creates itself (a draft-length schedule it
+    applies) is modelled from its runtime configuration when it appears (SimulatedCluster)."""
     spec = scenario.serving
-    pairs = [(revision_hash(spec.model, spec.speculator, spec.runtime), spec.speculator.method)]
+    speculators = [(revision_hash(spec.model, spec.speculator, spec.runtime), spec.speculator)]
     if spec.rollout is not None:
-        pairs.append((candidate_hash(spec), spec.rollout.candidate.speculator.method))
+        speculators.append((candidate_hash(spec), spec.rollout.candidate.speculator))
     if spec.speculation_health.fallback is not None:  # a fallback runs on the runtime of the revision it replaces
         fallback = spec.speculation_health.fallback.speculator
-        pairs += [(revision_hash(spec.model, fallback, runtime), fallback.method) for runtime in (spec.runtime, candidate_runtime(spec))]
-    return {revision: revision_model(revision, method, scenario.performance_of(method)) for revision, method in pairs}
-
-
-def revision_model(revision: str, method: str, performance: MethodPerformance) -> RevisionModel:
-    return RevisionModel(revision, method, Curve(performance), None if method == "none" else performance.acceptance_length,
-                         performance.error_rate)
+        speculators += [(revision_hash(spec.model, fallback, runtime), fallback) for runtime in (spec.runtime, candidate_runtime(spec))]
+    return {revision: speculator_model(revision, s.method, s.num_speculative_tokens_per_batch_size, scenario.performance)
+            for revision, s in speculators}
 
 
 def tick_times(scenario: Scenario) -> list[float]:
@@ -108,8 +105,7 @@ def simulate(scenario: Scenario, requests: list[Arrival], seed: int, controller=
             if fault.kind == "nodeLoss":
                 fleet.node_loss(fault.at_seconds, fault.duration_seconds)
             else:
-                fleet.drift({m.hash: revision_model(m.hash, m.method, fault.performance)
-                             for m in models.values() if m.method == fault.method}, fault.at_seconds)
+                fleet.drift(fault.method, fault.performance, fault.at_seconds)
         fleet.advance_to(now_s)
         if operator is not None:
             if any(f.kind == "operatorRestart" and f.active(now_s) for f in scenario.faults):

@@ -5,12 +5,16 @@ sources (Prometheus, and the pods' own /metrics), and the operator's reconcile r
 import json
 from dataclasses import dataclass
 
+import yaml
+from specserve_runtime.config import CONFIG_FILE, RuntimeConfig
+
 from .. import api
 from ..measure import MeasurementError, Target, Window
 from ..priors import capacity_priors
 from ..reconcile import reconcile
 from ..render import Settings
 from ..rollout import Event, timestamp
+from ..schedule import draft_lengths
 from .fleet import Fleet
 from .fleet_model import NAMESPACE, SERVING, at
 from .scenario import Scenario, ScenarioError
@@ -116,11 +120,15 @@ class SimulatedCluster:
         return self.objects[self._key(api.API_VERSION, "SpeculativeServing", NAMESPACE, SERVING)]["status"]
 
     def _sync(self) -> None:
-        """The ReplicaSet controller: the fleet runs what the Deployments say (a deleted one: nothing)."""
+        """The ReplicaSet controller: the fleet runs what the Deployments say (a deleted one: nothing), each revision
+        as its runtime configuration (its ConfigMap) says."""
         counts = {revision: 0 for revision in self.fleet.revisions_with_pods()}
-        for (_, kind, _, _), obj in self.objects.items():
+        for (_, kind, _, name), obj in self.objects.items():
             if kind == "Deployment":
-                counts[obj["metadata"]["labels"]["specserve.io/revision"]] = obj["spec"]["replicas"]
+                revision = obj["metadata"]["labels"]["specserve.io/revision"]
+                config = self.objects[self._key("v1", "ConfigMap", NAMESPACE, name)]["data"][CONFIG_FILE]
+                self.fleet.add_revision(revision, RuntimeConfig.model_validate(yaml.safe_load(config)))
+                counts[revision] = obj["spec"]["replicas"]
         self.fleet.set_desired(counts, self.fleet.now)
 
 
@@ -175,6 +183,7 @@ class Operator:
         self.pods = SimulatedPods(fleet)  # what the operator measures while Prometheus cannot be asked
         self.settings = Settings(autoscale_interval_seconds=scenario.tick_seconds,
                                  capacity_priors=capacity_priors(scenario.performance),
+                                 draft_lengths=draft_lengths(scenario.performance),
                                  replica_startup_seconds=scenario.startup_seconds)
         self.tick(0.0, outage=False)
         if scenario.serving.rollout is not None:

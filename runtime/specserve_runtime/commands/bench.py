@@ -119,11 +119,25 @@ def check_llamacpp_baselines(model: str) -> None:
 def bench_server(args, methods: list[str], prompts: list[str]) -> None:
     """Closed-loop load at each --concurrency: against --url, or a `specserve serve` per method,
     all running, the methods taking turns at each level (--repeats rounds)."""
-    from contextlib import ExitStack
+    from ..load_bench import performance_block, serve_arguments, table
 
-    from ..load_bench import local_server, measure_servers, performance_block, serve_arguments, table
-    from ..cmdline import ChildFailed
+    concurrencies = checked_concurrencies(args)
+    if args.propose_schedule:
+        bench_schedule(args, methods, prompts, concurrencies)
+        return
+    if args.url and len(methods) != 1:
+        raise UsageError(f"--url benches the one method that server runs: name it with --methods (got {args.methods})")
+    servers = None if args.url else {method: serve_arguments(method) for method in methods}
+    results = measure(args, servers, {methods[0]: args.url.rstrip("/")} if args.url else None, prompts,
+                      concurrencies, args.repeats)
+    print(table(results))
+    if args.emit_performance:
+        write_performance(performance_block(results, max(concurrencies)), Path(args.emit_performance))
+    if args.json:
+        print(json.dumps({"concurrency": results}))
 
+
+def checked_concurrencies(args) -> list[int]:
     concurrencies = int_list(args.concurrency, "--concurrency")
     if not concurrencies or min(concurrencies) < 1 or concurrencies != sorted(set(concurrencies)):
         raise UsageError(f"--concurrency takes increasing integers >= 1, got {args.concurrency!r}")
@@ -132,31 +146,93 @@ def bench_server(args, methods: list[str], prompts: list[str]) -> None:
     if args.kernels or args.baselines or args.temperature:
         raise UsageError("--concurrency measures greedy serving: --kernels, --baselines and --temperature are "
                          "for the in-process bench")
-    if args.url and len(methods) != 1:
-        raise UsageError(f"--url benches the one method that server runs: name it with --methods (got {args.methods})")
+    return concurrencies
 
-    def log(message):
-        print(message, file=sys.stderr, flush=True)
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def measure(args, servers: dict[str, list[str]] | None, urls: dict[str, str] | None, prompts: list[str],
+            concurrencies: list[int], repeats: int) -> dict[str, dict]:
+    """measure_servers over `urls`, or over a `specserve serve` per label of `servers` (label -> its flags), all
+    started first and stopped after."""
+    from contextlib import ExitStack
+
+    from ..cmdline import ChildFailed
+    from ..load_bench import local_server, measure_servers
 
     batch = max(concurrencies)
-    log(f"{', '.join(methods)}: {len(prompts)} prompts, {args.requests_per_client} requests per client, "
-        f"concurrency {', '.join(map(str, concurrencies))}, {args.repeats} round(s) per level")
-    with ExitStack() as servers:
-        if args.url:
-            urls = {methods[0]: args.url.rstrip("/")}
-        else:
+    labels = list(urls or servers)
+    log(f"{', '.join(labels)}: {len(prompts)} prompts, {args.requests_per_client} requests per client, "
+        f"concurrency {', '.join(map(str, concurrencies))}, {repeats} round(s) per level")
+    with ExitStack() as running:
+        if urls is None:
             try:
-                urls = {method: servers.enter_context(local_server(method, args.model, batch, serve_arguments(method)))
-                        for method in methods}
+                urls = {label: running.enter_context(local_server(label, args.model, batch, flags))
+                        for label, flags in servers.items()}
             except ChildFailed as exc:  # a server did not start: its log's last lines name why
                 raise UsageError(f"bench --concurrency: {exc}") from exc
-        results = measure_servers(urls, prompts, concurrencies, args.repeats, args.requests_per_client,
-                                  args.max_new_tokens, log)
+        return measure_servers(urls, prompts, concurrencies, repeats, args.requests_per_client,
+                               args.max_new_tokens, log)
+
+
+def bench_schedule(args, methods: list[str], prompts: list[str], concurrencies: list[int]) -> None:
+    """--propose-schedule K1,K2,...: measure the method at each fixed draft length and plain decoding (--repeats
+    rounds a level), propose the draft-length schedule from those curves (draft_schedule.propose), then measure plain
+    decoding, every fixed length and the schedule side by side (--repeats rounds a level): the proposal is judged
+    on measurements it was not fitted to."""
+    from ..bench import scenario_method
+    from ..draft_schedule import describe, propose
+    from ..load_bench import schedule_table, serve_arguments, table
+    from ..performance import Performance, draft_length_curves
+
+    lengths = int_list(args.propose_schedule, "--propose-schedule")
+    if not lengths or min(lengths) < 1 or lengths != sorted(set(lengths)):
+        raise UsageError(f"--propose-schedule takes increasing draft lengths >= 1, got {args.propose_schedule!r}")
+    drafting = [m for m in methods if m != "ar"]
+    if args.url or len(drafting) != 1 or "ar" not in methods or ":" in drafting[0]:
+        raise UsageError("--propose-schedule compares one speculative method with plain decoding on servers it starts: "
+                         f"--methods ar,METHOD without :K (got {args.methods}{' and --url' if args.url else ''})")
+    method = drafting[0]
+    fixed = {f"{method}:{k}": serve_arguments(method) + ["--num-speculative-tokens", str(k), "--speculation", "fixed"]
+             for k in lengths}
+    servers = {"ar": serve_arguments("ar")} | fixed
+    log("calibration: each draft length at every concurrency")
+    calibration = schedule_performance_block(measure(args, servers, None, prompts, concurrencies, args.repeats), method,
+                                             lengths, max(concurrencies))
+    schedule = propose(draft_length_curves(Performance.model_validate(calibration), scenario_method(method)))
+    log(f"proposed schedule: {describe(schedule)}")
+    label = f"{method} schedule"
+    servers[label] = serve_arguments(method) + ["--num-speculative-tokens", str(max(lengths)),
+                                                "--num-speculative-tokens-per-batch-size", describe(schedule)]
+    log("comparison: plain decoding, each draft length and the schedule, side by side")
+    results = measure(args, servers, None, prompts, concurrencies, args.repeats)
     print(table(results))
+    print()
+    print(schedule_table(results, method, lengths, label))
+    print(f"\nproposed schedule (numSpeculativeTokensPerBatchSize): {describe(schedule)}")
     if args.emit_performance:
-        write_performance(performance_block(results, batch), Path(args.emit_performance))
+        write_performance(schedule_performance_block(results, method, lengths, max(concurrencies)),
+                          Path(args.emit_performance))
     if args.json:
-        print(json.dumps({"concurrency": results}))
+        print(json.dumps({"concurrency": results, "schedule": describe(schedule)}))
+
+
+def schedule_performance_block(results: dict[str, dict], method: str, lengths: list[int], max_num_seqs: int) -> dict:
+    """The `performance` block of a schedule bench: plain decoding, and the method at its largest fixed length with
+    every fixed length as its draftLengths."""
+    from ..bench import scenario_method
+    from ..load_bench import performance_block, performance_row
+
+    block = performance_block({"ar": results["ar"], method: results[f"{method}:{max(lengths)}"]}, max_num_seqs)
+    name = scenario_method(method)
+    block[name]["draftLengths"] = []
+    for k in lengths:
+        row = performance_row(results[f"{method}:{k}"], max_num_seqs)
+        block[name]["draftLengths"].append({"numSpeculativeTokens": k, "acceptanceLength": row["acceptanceLength"],
+                                            "curve": row["curve"]})
+    return block
 
 
 def write_performance(block: dict, path: Path) -> None:
@@ -200,6 +276,10 @@ def add_commands(commands) -> None:
                        help="write the methods' measured `performance` block (docs/simulator.md) to FILE")
     bench.add_argument("--concurrency", metavar="C1,C2,...",
                        help="serving under closed-loop load at each concurrency (OpenAI streaming clients)")
+    bench.add_argument("--propose-schedule", metavar="K1,K2,...",
+                       help="with --concurrency and --methods ar,METHOD: measure METHOD at each fixed draft length, "
+                            "propose the draft-length schedule (numSpeculativeTokensPerBatchSize) with the most tokens/s "
+                            "at each batch size, then measure it beside plain decoding and every fixed length")
     bench.add_argument("--url", help="with --concurrency: bench this running server instead of starting one per method")
     bench.add_argument("--requests-per-client", type=int, default=2, help="with --concurrency (default 2)")
     bench.add_argument("--closed-loop", type=int, metavar="B",
