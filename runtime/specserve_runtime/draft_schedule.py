@@ -24,19 +24,23 @@ from .performance import CurvePoint
 
 def rate(curve: Sequence[CurvePoint], concurrency: float) -> float:
     """Tokens per second of each request at this concurrency: linear between the points, held past the ends."""
-    return _linear(curve, concurrency, "tokens_per_second_per_request")
+    return linear([p.concurrency for p in curve], [p.tokens_per_second_per_request for p in curve], concurrency)
 
 
-def _linear(curve: Sequence[CurvePoint], concurrency: float, name: str) -> float:
-    xs = [point.concurrency for point in curve]
-    if concurrency <= xs[0]:
-        return getattr(curve[0], name)
-    if concurrency >= xs[-1]:
-        return getattr(curve[-1], name)
-    i = bisect_right(xs, concurrency)
-    before, after = curve[i - 1], curve[i]
-    share = (concurrency - before.concurrency) / (after.concurrency - before.concurrency)
-    return getattr(before, name) + share * (getattr(after, name) - getattr(before, name))
+def linear(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """ys against increasing xs at x: linear between the points, held past the ends (a performance curve's reading,
+    here and in the simulator's fleet)."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    i = bisect_right(xs, x)
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+
+
+def highest_concurrency(curves: Mapping[int, Sequence[CurvePoint]]) -> int:
+    """The batch sizes a schedule is chosen or read at: 1 up to the highest concurrency measured."""
+    return max(1, max(int(point.concurrency) for curve in curves.values() for point in curve))
 
 
 def best_length(curves: Mapping[int, Sequence[CurvePoint]], batch_size: int, longest: int | None = None) -> int:
@@ -51,9 +55,8 @@ def propose(curves: Mapping[int, Sequence[CurvePoint]]) -> list[BatchSizeRange]:
     consecutive batch sizes with one length share a range."""
     if not curves or not any(curves.values()):
         raise ValueError("a schedule needs at least one measured curve")
-    highest = max(int(point.concurrency) for curve in curves.values() for point in curve)
     ranges: list[BatchSizeRange] = []
-    for batch_size in range(1, max(highest, 1) + 1):
+    for batch_size in range(1, highest_concurrency(curves) + 1):
         k = best_length(curves, batch_size, ranges[-1].num_speculative_tokens if ranges else None)
         if ranges and ranges[-1].num_speculative_tokens == k:
             ranges[-1].max_batch_size = batch_size
@@ -69,10 +72,9 @@ def scheduled_curve(curves: Mapping[int, Sequence[CurvePoint]], schedule: Sequen
     missing = sorted({r.num_speculative_tokens for r in schedule} - set(curves))
     if missing:
         raise ValueError(f"no measured curve for draft length(s) {missing} of the schedule {describe(schedule)}")
-    highest = max(int(point.concurrency) for curve in curves.values() for point in curve)
     return [CurvePoint.model_validate({"concurrency": b, "tokensPerSecondPerRequest": rate(curve, b),
-                                       "ttftMs": _linear(curve, b, "ttft_ms")})
-            for b in range(1, max(highest, 1) + 1) for curve in [curves[scheduled_tokens(list(schedule), b)]]]
+                                       "ttftMs": linear([p.concurrency for p in curve], [p.ttft_ms for p in curve], b)})
+            for b in range(1, highest_concurrency(curves) + 1) for curve in [curves[scheduled_tokens(list(schedule), b)]]]
 
 
 def describe(schedule: Sequence[BatchSizeRange]) -> str:

@@ -5,12 +5,11 @@ replicas, and the per-second bins of what they did (simulate.py's docstring has 
 import datetime
 import math
 import random
-from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass
 
 from specserve_runtime.config import BatchSizeRange, scheduled_tokens
-from specserve_runtime.draft_schedule import scheduled_curve
+from specserve_runtime.draft_schedule import linear, scheduled_curve
 from specserve_runtime.performance import MethodPerformance, Performance, draft_length_curves
 
 from .scenario import Scenario, truncated_normal
@@ -36,18 +35,9 @@ class Curve:
         self.max_running = performance.max_concurrency or max(1, math.floor(self.xs[-1]))  # more requests wait
         self._rates: dict[int, float] = {}
 
-    def _at(self, ys: list[float], x: float) -> float:
-        if x <= self.xs[0]:
-            return ys[0]
-        if x >= self.xs[-1]:
-            return ys[-1]
-        i = bisect_right(self.xs, x)
-        x0, x1 = self.xs[i - 1], self.xs[i]
-        return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - x0) / (x1 - x0)
-
     def speed(self, concurrency: float) -> float:
         """Tokens per second of each decoding request at this concurrency."""
-        return self._at(self.tps, concurrency)
+        return linear(self.xs, self.tps, concurrency)
 
     def rate(self, running: int) -> float:
         """speed(running), cached: the simulation asks at whole numbers only."""
@@ -57,7 +47,7 @@ class Curve:
         return value
 
     def ttft_ms(self, running: float) -> float:
-        return self._at(self.ttfts, running)
+        return linear(self.xs, self.ttfts, running)
 
     def itl_ms(self, concurrency: float) -> float:
         return 1000.0 / self.speed(concurrency)

@@ -39,7 +39,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 from ..reconcile import effective_slo
 from ..render import Profile
 from ..replicas import candidate_hash, candidate_runtime, replica_budget, revision_hash
