@@ -12,6 +12,10 @@ from specserve_operator.local import scenario as scenario_module
 from specserve_operator.local import fleet_model, simulate
 from specserve_operator.replicas import replica_budget, revision_hash
 from specserve.cli import main
+from specserve_runtime.adaptive import EXPLORE_BUDGET
+from specserve_runtime.config import scheduled_tokens
+from specserve_runtime.draft_schedule import highest_concurrency, propose, rate
+from specserve_runtime.performance import draft_length_curves
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "docs" / "scenarios"
 SHIPPED = sorted(path.stem for path in SCENARIOS.glob("*.yaml"))
@@ -143,6 +147,48 @@ def test_a_degraded_drafter_falls_back_through_a_canary_and_the_fleet_does_bette
     assert fell_back["sloAttainment"]["min"] > kept["sloAttainment"]["min"]
     assert fell_back["costVsStaticPeak"] < kept["costVsStaticPeak"]  # the same staticPeak: the drafter before the drift
     assert fell_back["tokensPerDollarVsInFlight"] > kept["tokensPerDollarVsInFlight"]
+
+
+def test_on_the_embedded_engine_the_pods_stop_drafting_at_the_drift_and_the_fallback_still_replaces_the_drafter():
+    """drift-embedded.yaml is drift-fallback.yaml on the embedded engine, whose pods choose their draft length from
+    what they measure: from the drift they decode at plain decoding's speed (less what exploring costs), where
+    vLLM's pods decode at the drifted drafter's until the fallback replaces them. The operator still degrades the
+    drafter and promotes plain decoding in every seed, and the hour meets the SLO more often than on vLLM."""
+    embedded, on_vllm = five_seeds_of("drift-embedded"), five_seeds_of("drift-fallback")
+    assert embedded["decisions"] == {"Promoted": 5} and embedded["speculationDegradedAtSeconds"]["seeds"] == 5
+    assert embedded["sloAttainment"]["min"] > on_vllm["sloAttainment"]["min"]
+    itl = {}
+    for name in ("drift-embedded", "drift-fallback"):
+        scenario = scenario_module.Scenario.model_validate(document(name))
+        (drift,) = scenario.faults
+        run_ = simulate.simulate(scenario, simulate.arrivals(scenario, scenario.seed), scenario.seed)
+        itl[name] = run_.fleet.truth(drift.at_seconds + 60, drift.at_seconds + 120)[0]  # before any new pod is ready
+    slowest = scenario.performance.none.curve[-1].tokens_per_second_per_request * (1 - EXPLORE_BUDGET)
+    drifted = drift.performance.curve[-1].tokens_per_second_per_request
+    assert itl["drift-embedded"] == pytest.approx(1000 / slowest, rel=0.01)  # plain decoding at a full batch
+    assert itl["drift-fallback"] == pytest.approx(1000 / drifted, rel=0.01)  # the drifted drafter at a full batch
+
+
+def test_an_adaptive_revision_decodes_at_the_best_of_its_lengths_and_plain_decoding_at_each_batch_size():
+    """fleet_model.speculator_model: the embedded engine without a schedule drafts adaptively; vLLM, or a schedule,
+    does not. An adaptive revision's rate at each batch size is the best of plain decoding's, its own length's and the
+    measured shorter lengths' (the schedule `propose` gives those curves), times 1 - EXPLORE_BUDGET."""
+    performance = scenario_module.Scenario.model_validate(document("draft-schedule")).performance
+    curves = draft_length_curves(performance, "dflash")
+    assert fleet_model.drafts_adaptively("embedded", "dflash", None)
+    assert not fleet_model.drafts_adaptively("vllm", "dflash", None)
+    assert not fleet_model.drafts_adaptively("embedded", "none", None)
+    schedule = propose(curves)
+    assert not fleet_model.drafts_adaptively("embedded", "dflash", schedule)
+    drafts = max(k for k in curves if k)
+    model = fleet_model.speculator_model("r", "dflash", None, performance, adaptive=True, drafts=drafts)
+    assert model.adaptive and model.schedule == ()
+    for batch_size in range(1, highest_concurrency(curves) + 1):
+        best = rate(curves[scheduled_tokens(schedule, batch_size)], batch_size)
+        assert best >= rate(curves[0], batch_size)  # never slower than plain decoding
+        assert model.curve.speed(batch_size) == pytest.approx(best * (1 - EXPLORE_BUDGET))
+    fixed = fleet_model.speculator_model("r", "dflash", None, performance, drafts=drafts)
+    assert fixed.curve.speed(1) == performance.dflash.curve[0].tokens_per_second_per_request
 
 
 def test_an_applied_draft_length_schedule_is_promoted_and_pays_more_than_the_fixed_length_it_replaces(tmp_path):

@@ -8,8 +8,9 @@ import random
 from collections import deque
 from dataclasses import dataclass
 
+from specserve_runtime.adaptive import EXPLORE_BUDGET
 from specserve_runtime.config import BatchSizeRange, scheduled_tokens
-from specserve_runtime.draft_schedule import linear, scheduled_curve
+from specserve_runtime.draft_schedule import linear, propose, scheduled_curve
 from specserve_runtime.performance import MethodPerformance, Performance, draft_length_curves
 
 from .scenario import Scenario, truncated_normal
@@ -61,26 +62,51 @@ class RevisionModel:
     acceptance_length: float | None
     error_rate: float
     schedule: tuple[BatchSizeRange, ...] = ()  # drafts by batch size (numSpeculativeTokensPerBatchSize)
+    adaptive: bool = False  # the engine chooses each step's draft length from what it measures (drafts_adaptively)
+    drafts: int | None = None  # numSpeculativeTokens, where the revision sets it
 
 
-def speculator_model(revision: str, method: str, schedule: list[BatchSizeRange] | None,
-                     performance: Performance) -> RevisionModel:
-    """A revision of `method`: its performance table's, or, drafting by a batch-size schedule, at each batch size
-    the curve of the draft length the schedule gives it there (the method's draftLengths; 0: method none's), with
-    the acceptance length of the length it drafts at batch size 1."""
+def drafts_adaptively(engine: str, method: str, schedule: list[BatchSizeRange] | None) -> bool:
+    """Whether a revision's pods choose their draft length each step: the embedded engine does, from its measured
+    acceptance and step costs (the runtime's adaptive.py), unless a batch-size schedule sets it; vLLM drafts what it
+    is configured to."""
+    return engine == "embedded" and method != "none" and not schedule
+
+
+def speculator_model(revision: str, method: str, schedule: list[BatchSizeRange] | None, performance: Performance,
+                     adaptive: bool = False, drafts: int | None = None) -> RevisionModel:
+    """A revision of `method`: its performance table's curve; or, drafting by a batch-size schedule, at each batch
+    size the curve of the draft length the schedule gives it there (the method's draftLengths; 0: method none's);
+    or, `adaptive` (drafts_adaptively), the schedule the engine's measurements converge to: at each batch size
+    the best of plain decoding, the revision's own length (`drafts`, the table's curve) and the measured shorter
+    ones, less what exploring the others costs (EXPLORE_BUDGET). The acceptance length is that of the length
+    drafted at batch size 1 (the method's own where that is none: the engine's exploring steps measure it)."""
     table = getattr(performance, method)
-    if not schedule:
+    if adaptive and performance.none is not None:
+        curves = {k: curve for k, curve in draft_length_curves(performance, method).items()
+                  if drafts is None or k <= drafts}
+        own = drafts if drafts is not None else max(curves, default=0) + 1
+        curves.update({own: table.curve, 0: performance.none.curve})
+        schedule, tables = propose(curves), {row.num_speculative_tokens: row for row in table.draft_lengths}
+        tables[own] = table
+    elif schedule:
+        tables = {row.num_speculative_tokens: row for row in table.draft_lengths}
+        curves = draft_length_curves(performance, method)
+    else:
         return RevisionModel(revision, method, Curve(table), None if method == "none" else table.acceptance_length,
-                             table.error_rate)
-    tables = {row.num_speculative_tokens: row for row in table.draft_lengths}
+                             table.error_rate, drafts=drafts)
     try:
-        rows = scheduled_curve(draft_length_curves(performance, method), schedule)
+        rows = scheduled_curve(curves, schedule)
     except ValueError as exc:
         raise ValueError(f"performance.{method}.draftLengths: revision {revision}: {exc}") from None
+    if adaptive:
+        rows = [row.model_copy(update={"tokens_per_second_per_request": row.tokens_per_second_per_request
+                                       * (1 - EXPLORE_BUDGET)}) for row in rows]
     at_one = scheduled_tokens(schedule, 1)
     acceptance = tables[at_one].acceptance_length if at_one else table.acceptance_length
     scheduled = table.model_copy(update={"curve": rows, "draft_lengths": []})
-    return RevisionModel(revision, method, Curve(scheduled), acceptance, table.error_rate, tuple(schedule))
+    return RevisionModel(revision, method, Curve(scheduled), acceptance, table.error_rate,
+                         () if adaptive else tuple(schedule), adaptive, drafts)
 
 
 # ---- requests and replicas ------------------------------------------------------------------------

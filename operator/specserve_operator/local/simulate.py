@@ -17,6 +17,8 @@ The fleet model (docs/simulator.md says the same for users):
   see the same requests (arrival time, prompt and output tokens, routing and error draws).
 - Routing (one Service over all ready pods of all revisions, as ReplicaRatio does): `random`
   picks a ready pod uniformly (kube-proxy); `leastLoaded` the one with fewest requests in it.
+- A revision's curve: its method's, its batch-size schedule's, or on the embedded engine without one the best
+  draft length's at each batch size (adaptive speculation; fleet_model.speculator_model).
 - A replica runs at most the curve's highest concurrency at once (the engine's batch); more wait
   in its FIFO queue. An admitted request's first token comes after ttftMs(running) x its prompt
   tokens / the mean prompt tokens; the rest decode at tokensPerSecondPerRequest(running), both
@@ -44,7 +46,7 @@ from ..render import Profile
 from ..replicas import candidate_hash, candidate_runtime, replica_budget, revision_hash
 from .baselines import BASELINES
 from .fleet import Fleet
-from .fleet_model import Arrival, RevisionModel, arrivals, speculator_model
+from .fleet_model import Arrival, RevisionModel, arrivals, drafts_adaptively, speculator_model
 from .scenario import Scenario, ScenarioError, load
 from .simulated_cluster import ROLLOUT_ENDS, Operator, TickRecord
 
@@ -64,14 +66,19 @@ def revision_models(scenario: Scenario) -> dict[str, RevisionModel]:
     """The models of the revisions the spec names; one the operator creates itself (a draft-length schedule it
     applies) is modelled from its runtime configuration when it appears (SimulatedCluster)."""
     spec = scenario.serving
-    speculators = [(revision_hash(spec.model, spec.speculator, spec.runtime), spec.speculator)]
+    speculators = [(revision_hash(spec.model, spec.speculator, spec.runtime), spec.speculator, spec.runtime)]
     if spec.rollout is not None:
-        speculators.append((candidate_hash(spec), spec.rollout.candidate.speculator))
+        speculators.append((candidate_hash(spec), spec.rollout.candidate.speculator, candidate_runtime(spec)))
     if spec.speculation_health.fallback is not None:  # a fallback runs on the runtime of the revision it replaces
         fallback = spec.speculation_health.fallback.speculator
-        speculators += [(revision_hash(spec.model, fallback, runtime), fallback) for runtime in (spec.runtime, candidate_runtime(spec))]
-    return {revision: speculator_model(revision, s.method, s.num_speculative_tokens_per_batch_size, scenario.performance)
-            for revision, s in speculators}
+        speculators += [(revision_hash(spec.model, fallback, runtime), fallback, runtime)
+                        for runtime in (spec.runtime, candidate_runtime(spec))]
+    models = {}
+    for revision, s, runtime in speculators:
+        schedule = s.num_speculative_tokens_per_batch_size
+        models[revision] = speculator_model(revision, s.method, schedule, scenario.performance,
+                                            drafts_adaptively(runtime.engine, s.method, schedule), s.num_speculative_tokens)
+    return models
 
 
 def tick_times(scenario: Scenario) -> list[float]:
