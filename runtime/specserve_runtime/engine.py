@@ -236,8 +236,10 @@ class Engine:
         # the next block. The drafter's context grows by the same tokens' target features.
         root = sequence.cache.length - len(drafts) - 1
         sequence.cache.keep(root + 1, [root + 1 + index for index in accepted])
-        rows = [0] + [1 + index for index in accepted]
-        sequence.proposer.extend_context(None if out.taps is None else out.taps[rows])
+        if out.taps is not None:  # a chain's accepted rows lead its block: a view, not a copy (every step pays this)
+            chain = accepted == list(range(num_accepted))
+            sequence.proposer.extend_context(out.taps[: 1 + num_accepted] if chain else
+                                             out.taps[[0] + [1 + index for index in accepted]])
         sequence.tokens += committed
         _record(sequence.stats, len(drafts), num_accepted)
         return self._commit(sequence, committed, len(drafts), num_accepted)

@@ -144,6 +144,44 @@ def test_tree_drafts_are_lossless_and_accepted_off_the_first_branch(tiny_llama, 
         assert result.target_forwards <= -(-(40 - 1) // (k // 2 + 1)) + 1  # +1: the last steps draft less
 
 
+class FeatureRecorder:
+    """Mixed into an oracle: taps the target's first layer and keeps every feature the engine hands it."""
+
+    tap_layers = (0,)
+
+    def begin(self, capacity):
+        super().begin(capacity)
+        self.features = []
+
+    def extend_context(self, taps):
+        self.features.append(taps.clone())
+
+
+class ChainRecorder(FeatureRecorder, OracleProposer):
+    pass
+
+
+class TreeRecorder(FeatureRecorder, TreeOracleProposer):
+    pass
+
+
+@pytest.mark.parametrize("proposer_class", [ChainRecorder, TreeRecorder])
+def test_the_drafter_gets_the_target_features_of_exactly_the_committed_tokens(tiny_llama, proposer_class):
+    """After each verify step the drafter's context grows by the features of the tokens kept in the target's cache:
+    the last committed token and the accepted drafts, a chain's leading rows or a tree's scattered ones, never a
+    rejected draft's. Together they are what one forward over the committed tokens taps."""
+    reference = greedy(tiny_llama)
+    loop = engine(tiny_llama, proposer_class(reference.token_ids, len(PROMPT), k=6, corrupt_every=2))
+    sequence = loop.add(Request(PROMPT, 40))
+    while sequence.finish_reason is None:
+        loop.step([sequence])
+    assert sequence.stats.num_accepted_tokens > 0 and sequence.stats.num_accepted_tokens < sequence.stats.num_draft_tokens
+    features = torch.cat(sequence.proposer.features)
+    assert len(features) == len(sequence.tokens) - 1  # the last token opens the next block: not in the cache yet
+    expected = tiny_llama(torch.tensor(sequence.tokens[:-1]), tiny_llama.new_cache(64), tap_layers=(0,)).taps
+    torch.testing.assert_close(features, expected, rtol=1e-4, atol=1e-4)
+
+
 def test_block_straddling_eos_stops_at_eos(tiny_llama):
     free_run = greedy(tiny_llama).token_ids
     eos = free_run[12]
