@@ -181,13 +181,13 @@ def test_an_adaptive_revision_decodes_at_the_best_of_its_lengths_and_plain_decod
     schedule = propose(curves)
     assert not fleet_model.drafts_adaptively("embedded", "dflash", schedule)
     drafts = max(k for k in curves if k)
-    model = fleet_model.speculator_model("r", "dflash", None, performance, adaptive=True, drafts=drafts)
-    assert model.adaptive and model.schedule == ()
+    model = fleet_model.speculator_model("r", "dflash", None, performance, "embedded", drafts)
+    assert model.engine == "embedded" and model.schedule == ()
     for batch_size in range(1, highest_concurrency(curves) + 1):
         best = rate(curves[scheduled_tokens(schedule, batch_size)], batch_size)
         assert best >= rate(curves[0], batch_size)  # never slower than plain decoding
         assert model.curve.speed(batch_size) == pytest.approx(best * (1 - EXPLORE_BUDGET))
-    fixed = fleet_model.speculator_model("r", "dflash", None, performance, drafts=drafts)
+    fixed = fleet_model.speculator_model("r", "dflash", None, performance, "vllm", drafts)
     assert fixed.curve.speed(1) == performance.dflash.curve[0].tokens_per_second_per_request
 
 

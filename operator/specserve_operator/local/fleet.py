@@ -11,8 +11,7 @@ from specserve_runtime.config import RuntimeConfig
 from specserve_runtime.performance import MethodPerformance
 
 from ..measure import Pricing, Target, Window
-from .fleet_model import (SERVING, Arrival, Bin, Pod, Request, RevisionModel, drafts_adaptively, p99, speculator_model,
-                          weighted_p99)
+from .fleet_model import SERVING, Arrival, Bin, Pod, Request, RevisionModel, p99, speculator_model, weighted_p99
 from .scenario import Scenario
 
 NOISE_SIGMA = 0.05  # lognormal sigma of the measured p99s
@@ -127,7 +126,7 @@ class Fleet:
         """From `t` the revisions of `method` perform as `performance` says (a drift fault): their pods too, and
         revisions created later."""
         self.performance = self.performance.model_copy(update={method: performance})
-        models = {m.hash: speculator_model(m.hash, method, list(m.schedule), self.performance, m.adaptive, m.drafts)
+        models = {m.hash: speculator_model(m.hash, method, list(m.schedule), self.performance, m.engine, m.drafts)
                   for m in self.models.values() if m.method == method}
         self.models.update(models)
         for pod in self.live:
@@ -140,10 +139,8 @@ class Fleet:
         """A revision the scenario does not name (the operator made it: a draft-length schedule), from its runtime
         configuration."""
         if revision not in self.models:
-            schedule = config.num_speculative_tokens_per_batch_size
-            self.models[revision] = speculator_model(revision, config.method, schedule, self.performance,
-                                                     drafts_adaptively(config.engine, config.method, schedule),
-                                                     config.num_speculative_tokens)
+            self.models[revision] = speculator_model(revision, config.method, config.num_speculative_tokens_per_batch_size,
+                                                     self.performance, config.engine, config.num_speculative_tokens)
 
     def reschedule(self, pod: Pod, t: float) -> None:
         pod.rate = pod.model.curve.rate(pod.running) if pod.running else 0.0

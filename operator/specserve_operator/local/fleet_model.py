@@ -62,7 +62,7 @@ class RevisionModel:
     acceptance_length: float | None
     error_rate: float
     schedule: tuple[BatchSizeRange, ...] = ()  # drafts by batch size (numSpeculativeTokensPerBatchSize)
-    adaptive: bool = False  # the engine chooses each step's draft length from what it measures (drafts_adaptively)
+    engine: str = "vllm"  # the revision's runtime.engine
     drafts: int | None = None  # numSpeculativeTokens, where the revision sets it
 
 
@@ -74,27 +74,26 @@ def drafts_adaptively(engine: str, method: str, schedule: list[BatchSizeRange] |
 
 
 def speculator_model(revision: str, method: str, schedule: list[BatchSizeRange] | None, performance: Performance,
-                     adaptive: bool = False, drafts: int | None = None) -> RevisionModel:
-    """A revision of `method`: its performance table's curve; or, drafting by a batch-size schedule, at each batch
-    size the curve of the draft length the schedule gives it there (the method's draftLengths; 0: method none's);
-    or, `adaptive` (drafts_adaptively), the schedule the engine's measurements converge to: at each batch size
-    the best of plain decoding, the revision's own length (`drafts`, the table's curve) and the measured shorter
-    ones, less what exploring the others costs (EXPLORE_BUDGET). The acceptance length is that of the length
+                     engine: str = "vllm", drafts: int | None = None) -> RevisionModel:
+    """A revision of `method` on `engine`: its performance table's curve; or, drafting by a batch-size schedule, at
+    each batch size the curve of the draft length the schedule gives it there (the method's draftLengths; 0: method
+    none's); or, drafting adaptively (drafts_adaptively), the schedule the engine's measurements converge to: at each
+    batch size the best of plain decoding, the revision's own length (`drafts`, the table's curve) and the measured
+    shorter ones, less what exploring the others costs (EXPLORE_BUDGET). The acceptance length is that of the length
     drafted at batch size 1 (the method's own where that is none: the engine's exploring steps measure it)."""
     table = getattr(performance, method)
-    if adaptive and performance.none is not None:
-        curves = {k: curve for k, curve in draft_length_curves(performance, method).items()
-                  if drafts is None or k <= drafts}
+    adaptive = drafts_adaptively(engine, method, schedule) and performance.none is not None
+    if not schedule and not adaptive:
+        return RevisionModel(revision, method, Curve(table), None if method == "none" else table.acceptance_length,
+                             table.error_rate, engine=engine, drafts=drafts)
+    tables = {row.num_speculative_tokens: row for row in table.draft_lengths}
+    curves = draft_length_curves(performance, method)
+    if adaptive:
+        curves = {k: curve for k, curve in curves.items() if drafts is None or k <= drafts}
         own = drafts if drafts is not None else max(curves, default=0) + 1
         curves.update({own: table.curve, 0: performance.none.curve})
-        schedule, tables = propose(curves), {row.num_speculative_tokens: row for row in table.draft_lengths}
         tables[own] = table
-    elif schedule:
-        tables = {row.num_speculative_tokens: row for row in table.draft_lengths}
-        curves = draft_length_curves(performance, method)
-    else:
-        return RevisionModel(revision, method, Curve(table), None if method == "none" else table.acceptance_length,
-                             table.error_rate, drafts=drafts)
+        schedule = propose(curves)
     try:
         rows = scheduled_curve(curves, schedule)
     except ValueError as exc:
@@ -106,7 +105,7 @@ def speculator_model(revision: str, method: str, schedule: list[BatchSizeRange] 
     acceptance = tables[at_one].acceptance_length if at_one else table.acceptance_length
     scheduled = table.model_copy(update={"curve": rows, "draft_lengths": []})
     return RevisionModel(revision, method, Curve(scheduled), acceptance, table.error_rate,
-                         () if adaptive else tuple(schedule), adaptive, drafts)
+                         () if adaptive else tuple(schedule), engine, drafts)
 
 
 # ---- requests and replicas ------------------------------------------------------------------------

@@ -46,7 +46,7 @@ from ..render import Profile
 from ..replicas import candidate_hash, candidate_runtime, replica_budget, revision_hash
 from .baselines import BASELINES
 from .fleet import Fleet
-from .fleet_model import Arrival, RevisionModel, arrivals, drafts_adaptively, speculator_model
+from .fleet_model import Arrival, RevisionModel, arrivals, speculator_model
 from .scenario import Scenario, ScenarioError, load
 from .simulated_cluster import ROLLOUT_ENDS, Operator, TickRecord
 
@@ -73,12 +73,9 @@ def revision_models(scenario: Scenario) -> dict[str, RevisionModel]:
         fallback = spec.speculation_health.fallback.speculator
         speculators += [(revision_hash(spec.model, fallback, runtime), fallback, runtime)
                         for runtime in (spec.runtime, candidate_runtime(spec))]
-    models = {}
-    for revision, s, runtime in speculators:
-        schedule = s.num_speculative_tokens_per_batch_size
-        models[revision] = speculator_model(revision, s.method, schedule, scenario.performance,
-                                            drafts_adaptively(runtime.engine, s.method, schedule), s.num_speculative_tokens)
-    return models
+    return {revision: speculator_model(revision, s.method, s.num_speculative_tokens_per_batch_size, scenario.performance,
+                                       runtime.engine, s.num_speculative_tokens)
+            for revision, s, runtime in speculators}
 
 
 def tick_times(scenario: Scenario) -> list[float]:
