@@ -14,8 +14,8 @@ the live revision and `assess` compares the window with two references:
   costs more than it saves at this load, whatever its acceptance: acceptance can stay flat while
   more concurrency makes each verify step dearer. Without a prior for none it is not judged.
 
-Fallback. With spec.speculationHealth.fallback set (and autoFallback), a degraded revision starts a
-fallback (status.fallback): while the spec keeps that generation, `with_fallback` makes the spec
+Fallback. With spec.speculationHealth.fallback set (and autoFallback), a degraded revision whose last analysis
+measured it slower than minSpeedup times plain decoding (calls_for_fallback) starts a fallback (status.fallback): while the spec keeps that generation, `with_fallback` makes the spec
 the operator runs one whose stable revision is the degraded one and whose rollout's candidate is
 the fallback speculator, so the fallback goes through the same canary, analysis and rollback as
 any candidate: one that does worse is rolled back, and the degraded revision keeps serving.
@@ -91,6 +91,18 @@ def assess(previous: api.SpeculationStatus | None, revision: str, window: Window
 
 def is_degraded(status: api.SpeculationStatus | None, health: api.SpeculationHealth) -> bool:
     return status is not None and status.degraded_analyses >= health.sustained_analyses
+
+
+def calls_for_fallback(status: api.SpeculationStatus | None, health: api.SpeculationHealth, judges_speed: bool) -> bool:
+    """Degraded, and measured slower than minSpeedup times plain decoding at its load: only then would a fallback
+    win its canary. A drafter degraded by its acceptance alone can still save more than it costs, and a fallback
+    that loses is not retried while the spec keeps its generation, so it would be gone when a drift that goes on
+    makes the drafter worse than plain decoding. A window that could not judge the speed (saturated) waits for
+    one that can. Without a capacity prior for plain decoding (`judges_speed` False) acceptance alone decides."""
+    if not is_degraded(status, health):
+        return False
+    speedup = status.last_analysis.speedup if status.last_analysis is not None else None
+    return not judges_speed or (speedup is not None and speedup < health.min_speedup)
 
 
 def with_fallback(spec: api.SpeculativeServingSpec, fallback: api.OperatorChange | None,

@@ -22,6 +22,7 @@ class Health:
     degraded: tuple[bool, str, str] | None
     draft_schedule: api.DraftScheduleStatus | None
     events: list[Event] = field(default_factory=list)
+    fallback_due: bool = False  # health.calls_for_fallback after this analysis
 
 
 def speculation_health(spec: api.SpeculativeServingSpec, settings: Settings, previous: api.SpeculationStatus | None,
@@ -58,7 +59,8 @@ def speculation_health(spec: api.SpeculativeServingSpec, settings: Settings, pre
         if proposal is not None and (draft_schedule is None or proposal.proposed != draft_schedule.proposed):
             events.append(Event("Normal", "DraftScheduleProposed", f"revision {live.hash}: {proposal.reason}"))
         draft_schedule = proposal
-    return Health(status, (degraded, reason, message), draft_schedule, events)
+    return Health(status, (degraded, reason, message), draft_schedule, events,
+                  health.calls_for_fallback(status, policy, judges_speed=plain is not None))
 
 
 def apply_schedule(spec: api.SpeculativeServingSpec, proposal: api.DraftScheduleStatus | None, live: Revision,
@@ -73,11 +75,12 @@ def apply_schedule(spec: api.SpeculativeServingSpec, proposal: api.DraftSchedule
     return proposal.model_copy(update={"applied": applied})
 
 
-def start_fallback(spec: api.SpeculativeServingSpec, degraded: tuple[bool, str, str] | None, live: Revision,
-                   generation: int | None, at: str, events: list[Event]) -> api.OperatorChange | None:
-    """A fallback (health.with_fallback) when the live revision is degraded and the spec names one to roll out."""
+def start_fallback(spec: api.SpeculativeServingSpec, due: bool, live: Revision, generation: int | None, at: str,
+                   events: list[Event]) -> api.OperatorChange | None:
+    """A fallback (health.with_fallback) when the live revision's analysis calls for one (Health.fallback_due) and
+    the spec names one to roll out."""
     chosen = spec.speculation_health.fallback
-    if not (degraded and degraded[0] and chosen and chosen.auto_fallback and chosen.speculator != live.speculator):
+    if not (due and chosen and chosen.auto_fallback and chosen.speculator != live.speculator):
         return None
     events.append(Event("Warning", "FallbackStarted", f"revision {live.hash} ({live.speculator.method}) is degraded: "
                                                       f"rolling {chosen.speculator.method} out as a canary candidate"))

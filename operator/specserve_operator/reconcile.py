@@ -387,7 +387,7 @@ def reconcile(cluster: Cluster, body: dict, settings: Settings, source, now: dat
 
     watched = speculation_health(serving.spec, settings, speculation, draft_schedule, decision.stage, live, measure_live, now)
     speculation, degraded, health_events = watched.speculation, watched.degraded, watched.events
-    started = started or start_fallback(serving.spec, degraded, live, generation, at, health_events)
+    started = started or start_fallback(serving.spec, watched.fallback_due, live, generation, at, health_events)
     draft_schedule = watched.draft_schedule
     if not started:  # a fallback goes first
         draft_schedule = apply_schedule(serving.spec, draft_schedule, live, decision.stage, generation, at, health_events)

@@ -5,7 +5,8 @@ import pytest
 
 from specserve_operator import api
 from specserve_operator.capacity import Point, Prior, fit
-from specserve_operator.health import BASELINE_ANALYSES, FALLBACK_STEPS, assess, is_degraded, with_fallback
+from specserve_operator.health import (BASELINE_ANALYSES, FALLBACK_STEPS, assess, calls_for_fallback, is_degraded,
+                                      with_fallback)
 from specserve_operator.measure import Window
 
 HEALTH = api.SpeculationHealth()  # 0.8 of the baseline's acceptance, no slower than plain decoding, 3 in a row
@@ -100,6 +101,22 @@ def test_a_window_queued_beyond_the_batch_judges_acceptance_but_not_speed():
 
 
 # ---- fallback ----------------------------------------------------------------------------------
+
+
+def test_a_fallback_is_called_for_once_the_degraded_drafter_measures_slower_than_plain_decoding():
+    """Degraded on acceptance while still faster than plain decoding, a drafter would beat its fallback's canary, and
+    the lost fallback would not be retried: the fallback waits for a window that measures it slower (a saturated
+    one cannot). Without a prior for plain decoding acceptance alone calls for it."""
+    status = run([window(3.0)] * BASELINE_ANALYSES)
+    still_faster = run([window(2.0, ms_per_token=5.0, in_flight=1.0)] * 3, status)  # plain: 8.8 ms per token
+    assert is_degraded(still_faster, HEALTH) and not calls_for_fallback(still_faster, HEALTH, judges_speed=True)
+    assert calls_for_fallback(still_faster, HEALTH, judges_speed=False)
+    slower = run([window(2.0, ms_per_token=25.0, in_flight=15.0)], still_faster)  # plain: 20 ms
+    assert calls_for_fallback(slower, HEALTH, judges_speed=True)
+    queued = run([window(2.0, ms_per_token=60.0, in_flight=20.0, waiting_per_replica=15.0)], still_faster)
+    assert is_degraded(queued, HEALTH) and not calls_for_fallback(queued, HEALTH, judges_speed=True)
+    healthy = run([window(3.0, ms_per_token=25.0, in_flight=15.0)] * 2, status)  # slower, but not sustained yet
+    assert not calls_for_fallback(healthy, HEALTH, judges_speed=True)
 
 SPEC = api.SpeculativeServingSpec.model_validate({
     "profile": "team-a", "model": {"name": "Qwen/Qwen3-8B", "uri": "hf://Qwen/Qwen3-8B", "servedName": "qwen3-8b"},

@@ -149,6 +149,38 @@ def test_a_degraded_drafter_falls_back_through_a_canary_and_the_fleet_does_bette
     assert fell_back["tokensPerDollarVsInFlight"] > kept["tokensPerDollarVsInFlight"]
 
 
+def test_a_gradual_drift_falls_back_once_the_drafter_is_slower_than_plain_decoding_not_when_its_acceptance_falls(
+        tmp_path):
+    """drift-gradual.yaml ramps the same drift over 1800 s. The drafter's acceptance falls below minAcceptanceRatio
+    early, while it still decodes faster than plain decoding would: a fallback then would lose its canary and not
+    be retried, leaving the drafter in place when it later costs more than it saves. The canary starts only after
+    the ramp takes the drafter below plain decoding at some batch size, and is promoted in every seed; the fleet
+    does better over the hour than the same serving keeping its drafter."""
+    doc = document("drift-gradual")
+    scenario = scenario_module.Scenario.model_validate(doc)
+    (drift,) = scenario.faults
+    plain = {row.concurrency: row.tokens_per_second_per_request for row in scenario.performance.none.curve}
+
+    def slower_than_plain(t: float) -> bool:
+        now = drift.drifted(scenario.performance.dflash, t).curve
+        return any(row.tokens_per_second_per_request < plain[row.concurrency] for row in now)
+
+    crossover = next(t for t in simulate.tick_times(scenario) if t >= drift.at_seconds and slower_than_plain(t))
+    run_ = simulate.simulate(scenario, simulate.arrivals(scenario, scenario.seed), scenario.seed)
+    assert run_.degraded_at < crossover  # degraded on its acceptance...
+    canary = [t.t for t in run_.ticks if t.stage == "Progressing"]
+    assert canary and min(canary) > crossover  # ...but rolled back only once slower than plain decoding
+    fell_back = five_seeds_of("drift-gradual")
+    assert fell_back["decisions"] == {"Promoted": 5}
+    kept = doc["serving"]["speculationHealth"].pop("fallback")
+    assert kept == {"speculator": {"method": "none"}}
+    code, out, err = run("--scenario", str(write(tmp_path, doc)), "--seeds", "5")
+    assert code == 0, err
+    keeping = json.loads(out.strip().splitlines()[-1])
+    assert fell_back["sloAttainment"]["median"] > keeping["sloAttainment"]["median"]
+    assert fell_back["costVsStaticPeak"] < keeping["costVsStaticPeak"]
+
+
 def test_on_the_embedded_engine_the_pods_stop_drafting_at_the_drift_and_the_fallback_still_replaces_the_drafter():
     """drift-embedded.yaml is drift-fallback.yaml on the embedded engine, whose pods choose their draft length from
     what they measure: from the drift they decode at plain decoding's speed (less what exploring costs), where
@@ -532,6 +564,10 @@ def bad(tmp_path, change) -> tuple[int, str, str]:
     (lambda d: d.update(faults=[{"atSeconds": 5, "kind": "diskFull"}]), "faults[0].kind"),
     (lambda d: d.update(faults=[{"atSeconds": 5, "kind": "drift", "method": "dflash"}]), "faults[0].performance"),
     (lambda d: d.update(faults=[{"atSeconds": 5, "kind": "nodeLoss", "method": "dflash"}]), "faults[0].method"),
+    (lambda d: d.update(faults=[{"atSeconds": 5, "kind": "nodeLoss", "rampSeconds": 60}]), "faults[0].rampSeconds"),
+    (lambda d: d.update(faults=[{"atSeconds": 5, "kind": "drift", "method": "dflash", "rampSeconds": 60, "performance": {
+        "acceptanceLength": 2, "curve": [{"concurrency": 3, "tokensPerSecondPerRequest": 9, "ttftMs": 90}]}}]),
+     "faults[0].performance.curve"),
     (lambda d: d["profile"]["limits"].update(allowedMethods=["eagle3"]), "serving.rollout.candidate.speculator.method"),
     (lambda d: d["performance"]["eagle3"]["curve"].reverse(), "performance.eagle3.curve[1].concurrency"),
 ])

@@ -77,14 +77,16 @@ FaultKind = Literal["prometheusOutage", "operatorRestart", "nodeLoss", "drift"]
 
 
 class Fault(Strict):
-    """prometheusOutage, operatorRestart, nodeLoss: for duration_seconds. drift: from at_seconds to the end, the
-    traffic has moved and `method` performs as `performance` says (its acceptance length and curve)."""
+    """prometheusOutage, operatorRestart, nodeLoss: for duration_seconds. drift: the traffic moves and `method`
+    comes to perform as `performance` says (its acceptance length and curve): at at_seconds, or over
+    ramp_seconds from there (a new domain's share growing), and so to the end."""
 
     at_seconds: float = Field(ge=0)
     kind: FaultKind
     duration_seconds: float = Field(0.0, ge=0)
     method: api.Method | None = None
     performance: MethodPerformance | None = None
+    ramp_seconds: float = Field(0.0, ge=0)
 
     @model_validator(mode="after")
     def _drift_names_what_drifts(self):
@@ -94,10 +96,32 @@ class Fault(Strict):
                 raise ValueError(f"{name}: required by a drift")
             if not drift and getattr(self, name) is not None:
                 raise ValueError(f"{name}: only a drift takes it")
+        if self.ramp_seconds and not drift:
+            raise ValueError("rampSeconds: only a drift takes it")
+        if self.ramp_seconds and self.performance.draft_lengths:
+            raise ValueError("performance.draftLengths: a ramped drift interpolates acceptanceLength, errorRate and "
+                             "curve only")
         return self
 
     def active(self, t: float) -> bool:
         return self.at_seconds <= t < self.at_seconds + self.duration_seconds
+
+    def drifted(self, before: MethodPerformance, t: float) -> MethodPerformance:
+        """What the drifting method performs at `t` >= at_seconds: `before` moved linearly (acceptance, error rate and
+        each concurrency's tokens per second and time to first token) to `performance` over the ramp."""
+        share = min((t - self.at_seconds) / self.ramp_seconds, 1.0) if self.ramp_seconds else 1.0
+        if share >= 1.0:
+            return self.performance
+
+        def between(a: float, b: float) -> float:
+            return a + share * (b - a)
+
+        after = self.performance
+        curve = [row.model_copy(update={
+            "tokens_per_second_per_request": between(row.tokens_per_second_per_request, end.tokens_per_second_per_request),
+            "ttft_ms": between(row.ttft_ms, end.ttft_ms)}) for row, end in zip(before.curve, after.curve)]
+        return after.model_copy(update={"acceptance_length": between(before.acceptance_length, after.acceptance_length),
+                                        "error_rate": between(before.error_rate, after.error_rate), "curve": curve})
 
 
 class Scenario(Strict):
@@ -133,6 +157,15 @@ def problems(document: object) -> tuple[Scenario | None, list[str]]:
         if scenario.performance_of(method) is None:
             found.append(f"performance.{method}: required: {path} is {method}, and the simulator needs its "
                          f"acceptanceLength, errorRate and curve")
+    for index, fault in enumerate(scenario.faults):
+        if not fault.ramp_seconds:
+            continue
+        before = scenario.performance_of(fault.method)
+        if before is None:
+            found.append(f"performance.{fault.method}: required: faults[{index}] ramps its drift from it")
+        elif [r.concurrency for r in before.curve] != [r.concurrency for r in fault.performance.curve]:
+            found.append(f"faults[{index}].performance.curve: a ramped drift needs the concurrencies of "
+                         f"performance.{fault.method}.curve ({', '.join(f'{r.concurrency:g}' for r in before.curve)})")
     # As the operator would check it against its profile (the namespace is the simulator's own).
     anywhere = scenario.profile.model_copy(update={"namespace_selector": api.LabelSelector()})
     profile = Profile(scenario.serving.profile, anywhere)

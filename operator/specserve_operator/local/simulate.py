@@ -101,6 +101,7 @@ def simulate(scenario: Scenario, requests: list[Arrival], seed: int, controller=
     if controller is None:
         operator = Operator(scenario, fleet)
     changes = sorted((f for f in scenario.faults if f.kind in ("nodeLoss", "drift")), key=lambda f: f.at_seconds)
+    ramps = []  # (drift, its method's performance before it) while the drift ramps
     for now_s in tick_times(scenario):
         while changes and changes[0].at_seconds <= now_s:
             fault = changes.pop(0)
@@ -108,8 +109,14 @@ def simulate(scenario: Scenario, requests: list[Arrival], seed: int, controller=
             if fault.kind == "nodeLoss":
                 fleet.node_loss(fault.at_seconds, fault.duration_seconds)
             else:
-                fleet.drift(fault.method, fault.performance, fault.at_seconds)
+                before = getattr(fleet.performance, fault.method)
+                fleet.drift(fault.method, fault.drifted(before, fault.at_seconds), fault.at_seconds)
+                if fault.ramp_seconds:
+                    ramps.append((fault, before))
         fleet.advance_to(now_s)
+        for fault, before in ramps:  # a ramp moves once a tick
+            fleet.drift(fault.method, fault.drifted(before, now_s), now_s)
+        ramps = [(fault, before) for fault, before in ramps if now_s < fault.at_seconds + fault.ramp_seconds]
         if operator is not None:
             if any(f.kind == "operatorRestart" and f.active(now_s) for f in scenario.faults):
                 # Down: nothing reconciles. What comes back knows only the serving's status.
