@@ -18,7 +18,8 @@ Fallback. With spec.speculationHealth.fallback set (and autoFallback), a degrade
 measured it slower than minSpeedup times plain decoding (calls_for_fallback) starts a fallback (status.fallback): while the spec keeps that generation, `with_fallback` makes the spec
 the operator runs one whose stable revision is the degraded one and whose rollout's candidate is
 the fallback speculator, so the fallback goes through the same canary, analysis and rollback as
-any candidate: one that does worse is rolled back, and the degraded revision keeps serving.
+any candidate: one that does worse is rolled back, and the degraded revision keeps serving. While it
+still calls for one, the lost fallback is retried, each time twice as late (retries_fallback).
 
 A window without data or with fewer than analysis.MIN_GENERATED_TOKENS is Inconclusive: it neither counts
 nor clears, so a Prometheus outage never degrades a serving. A saturated window (its requests
@@ -33,6 +34,7 @@ from .autoscale import saturated
 from .capacity import Capacity
 from .measure import Window
 from .replicas import candidate_hash, candidate_runtime
+from .rollout import parse_time
 from .schedule import scheduled
 
 BASELINE_ANALYSES = 3  # windows with data whose mean acceptance length is a revision's baseline
@@ -105,7 +107,21 @@ def calls_for_fallback(status: api.SpeculationStatus | None, health: api.Specula
     return not judges_speed or (speedup is not None and speedup < health.min_speedup)
 
 
-def with_fallback(spec: api.SpeculativeServingSpec, fallback: api.OperatorChange | None,
+def retries_fallback(fallback: api.FallbackStatus, last: api.RolloutRecord | None, candidate: str | None,
+                     status: api.SpeculationStatus | None, health: api.SpeculationHealth, judges_speed: bool) -> bool:
+    """Roll a fallback whose canary lost (`last`: its analysis failed, not an abort by hand) out again? Once an
+    analysis sustainedAnalyses x intervalSeconds x 2^attempts after the loss still calls for it: a drift that goes
+    on can make the drafter slower than the fallback it beat, and each loss doubles the wait."""
+    if last is None or last.candidate_revision != candidate or last.outcome != "Aborted" or last.reason != "AnalysisFailed":
+        return False
+    analysis = status.last_analysis if status is not None else None
+    wait = health.sustained_analyses * health.interval_seconds * 2 ** fallback.attempts
+    if analysis is None or (parse_time(analysis.at) - parse_time(last.at)).total_seconds() < wait:
+        return False
+    return calls_for_fallback(status, health, judges_speed)
+
+
+def with_fallback(spec: api.SpeculativeServingSpec, fallback: api.FallbackStatus | None,
                   generation: int | None) -> api.SpeculativeServingSpec:
     """The spec the operator runs: the tenant's, or, while a fallback it started holds (the spec still at its
     generation), the degraded revision as the stable one and the fallback speculator as the rollout's candidate,

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import api, health, schedule
-from .capacity import fit
+from .capacity import Capacity, fit
 from .measure import Window
 from .render import Settings
 from .replicas import Revision
@@ -25,6 +25,13 @@ class Health:
     fallback_due: bool = False  # health.calls_for_fallback after this analysis
 
 
+def plain_decoding(settings: Settings) -> Capacity | None:
+    """The capacity model of plain decoding, from the `none` capacity prior: what the speed of speculation is judged
+    against (None: not judged)."""
+    prior = settings.capacity_priors.get("none")
+    return fit([], prior) if prior is not None and prior.points else None
+
+
 def speculation_health(spec: api.SpeculativeServingSpec, settings: Settings, previous: api.SpeculationStatus | None,
                        draft_schedule: api.DraftScheduleStatus | None, stage: str, live: Revision,
                        measure_live: Callable[[], Window], now: datetime.datetime) -> Health:
@@ -40,8 +47,7 @@ def speculation_health(spec: api.SpeculativeServingSpec, settings: Settings, pre
     if stage == "Canary" or not due:  # a canary compares revisions; otherwise one serves (an aborted one drains)
         return Health(previous, None, draft_schedule)
     window = measure_live()
-    prior = settings.capacity_priors.get("none")
-    plain = fit([], prior) if prior is not None and prior.points else None
+    plain = plain_decoding(settings)
     status = health.assess(previous, live.hash, window, policy, plain, timestamp(now))
     degraded = health.is_degraded(status, policy)
     analysis = status.last_analysis
@@ -76,7 +82,7 @@ def apply_schedule(spec: api.SpeculativeServingSpec, proposal: api.DraftSchedule
 
 
 def start_fallback(spec: api.SpeculativeServingSpec, due: bool, live: Revision, generation: int | None, at: str,
-                   events: list[Event]) -> api.OperatorChange | None:
+                   events: list[Event]) -> api.FallbackStatus | None:
     """A fallback (health.with_fallback) when the live revision's analysis calls for one (Health.fallback_due) and
     the spec names one to roll out."""
     chosen = spec.speculation_health.fallback
@@ -84,4 +90,4 @@ def start_fallback(spec: api.SpeculativeServingSpec, due: bool, live: Revision, 
         return None
     events.append(Event("Warning", "FallbackStarted", f"revision {live.hash} ({live.speculator.method}) is degraded: "
                                                       f"rolling {chosen.speculator.method} out as a canary candidate"))
-    return api.OperatorChange(generation=generation, from_revision=live.hash, at=at)
+    return api.FallbackStatus(generation=generation, from_revision=live.hash, at=at)

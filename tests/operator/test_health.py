@@ -6,7 +6,7 @@ import pytest
 from specserve_operator import api
 from specserve_operator.capacity import Point, Prior, fit
 from specserve_operator.health import (BASELINE_ANALYSES, FALLBACK_STEPS, assess, calls_for_fallback, is_degraded,
-                                      with_fallback)
+                                      retries_fallback, with_fallback)
 from specserve_operator.measure import Window
 
 HEALTH = api.SpeculationHealth()  # 0.8 of the baseline's acceptance, no slower than plain decoding, 3 in a row
@@ -124,8 +124,27 @@ SPEC = api.SpeculativeServingSpec.model_validate({
     "speculationHealth": {"fallback": {"speculator": {"method": "ngram", "numSpeculativeTokens": 4}}}})
 
 
-def started(spec: api.SpeculativeServingSpec, degraded: str, generation: int = 3) -> api.OperatorChange:
-    return api.OperatorChange(generation=generation, from_revision=degraded, at="2026-12-05T10:00:00Z")
+def started(spec: api.SpeculativeServingSpec, degraded: str, generation: int = 3) -> api.FallbackStatus:
+    return api.FallbackStatus(generation=generation, from_revision=degraded, at="2026-12-05T10:00:00Z")
+
+
+def test_a_fallback_that_lost_its_canary_is_retried_while_still_called_for_each_time_twice_as_late():
+    """A drift that goes on can make the drafter slower than the fallback that lost to it: once an analysis
+    sustainedAnalyses x intervalSeconds x 2^attempts after the loss still calls for the fallback, it is rolled out
+    again. Not on an abort by hand, not for another candidate, not while the drafter measures faster."""
+    status = run([window(3.0)] * BASELINE_ANALYSES)
+    slower = run([window(2.0, ms_per_token=25.0, in_flight=15.0)] * 12, status)  # analyses at minutes 0..11
+    faster = run([window(2.0, ms_per_token=5.0, in_flight=1.0)] * 12, status)
+    fallback = api.FallbackStatus(generation=3, from_revision="abc123", at="2026-12-05T09:59:00Z")
+    lost = api.RolloutRecord(candidate_revision="f00", outcome="Aborted", reason="AnalysisFailed", at="2026-12-05T10:05:00Z")
+    assert retries_fallback(fallback, lost, "f00", slower, HEALTH, True)  # 3 x 60 s x 2 = 6 min: the analysis at 10:11
+    assert not retries_fallback(fallback.model_copy(update={"attempts": 2}), lost, "f00", slower, HEALTH, True)  # 12 min
+    assert not retries_fallback(fallback, lost, "f00", faster, HEALTH, True)
+    assert not retries_fallback(fallback, lost.model_copy(update={"reason": "Aborted"}), "f00", slower, HEALTH, True)
+    assert not retries_fallback(fallback, lost, "other", slower, HEALTH, True)
+    assert not retries_fallback(fallback, lost.model_copy(update={"outcome": "Promoted", "reason": None}), "f00", slower,
+                                HEALTH, True)
+    assert not retries_fallback(fallback, None, "f00", slower, HEALTH, True)
 
 
 def test_a_fallback_is_the_rollout_of_the_spec_the_operator_runs_while_the_spec_keeps_its_generation():

@@ -181,6 +181,21 @@ def test_a_gradual_drift_falls_back_once_the_drafter_is_slower_than_plain_decodi
     assert fell_back["costVsStaticPeak"] < keeping["costVsStaticPeak"]
 
 
+def test_a_fallback_that_loses_at_the_crossover_is_retried_later_and_promoted():
+    """Seed 14 of drift-gradual.yaml starts its fallback at the crossover, where the drafter and plain decoding decode
+    alike: the fallback loses its canary. The drift goes on, the drafter stays slower, and after the back-off
+    (sustainedAnalyses x intervalSeconds x 2) the fallback is rolled out again and promoted."""
+    doc = document("drift-gradual")
+    scenario = scenario_module.Scenario.model_validate(doc)
+    health = scenario.serving.speculation_health
+    run_ = simulate.simulate(scenario, simulate.arrivals(scenario, 14), 14)
+    stages = [(t.t, t.stage) for t in run_.ticks]
+    lost = next(t for t, stage in stages if stage == "RollingBack")
+    retried = next(t for t, stage in stages if stage == "Progressing" and t > lost)
+    assert retried - lost >= health.sustained_analyses * health.interval_seconds * 2
+    assert run_.decision == "Promoted" and run_.decision_at > retried
+
+
 def test_on_the_embedded_engine_the_pods_stop_drafting_at_the_drift_and_the_fallback_still_replaces_the_drafter():
     """drift-embedded.yaml is drift-fallback.yaml on the embedded engine, whose pods choose their draft length from
     what they measure: from the drift they decode at plain decoding's speed (less what exploring costs), where

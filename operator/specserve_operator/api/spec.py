@@ -220,8 +220,9 @@ FALLBACK_IS_SIMPLE = "a fallback speculator drafts chains on its own: no draftTr
 
 class Fallback(Model):
     """What the operator rolls out when the live revision's speculation is degraded: a new revision with this
-    speculator, through a canary like any other (spec.rollout's steps and analysis when it has them), so a
-    fallback that does worse is rolled back in turn. Any change of the spec ends it."""
+    speculator, through a canary like any other (spec.rollout's steps and analysis when it has them), once the
+    revision measures slower than plain decoding. A fallback that does worse is rolled back in turn, and retried,
+    each time twice as late, while the revision still calls for it. Any change of the spec ends it."""
 
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         cel("!has(self.speculator.draftTree) || self.speculator.draftTree == false", FALLBACK_IS_SIMPLE, ".speculator.draftTree"),

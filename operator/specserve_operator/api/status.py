@@ -157,6 +157,11 @@ class OperatorChange(Model):
     at: str
 
 
+class FallbackStatus(OperatorChange):
+    attempts: int = Field(1, ge=1, description="its canaries so far: one that lost is retried while the degraded "
+                                              "revision measures slower than plain decoding, each time twice as late")
+
+
 class AppliedSchedule(OperatorChange):
     schedule: list[BatchSizeRange] = Field(description="the schedule rolled out (later proposals do not change it)")
 
@@ -187,7 +192,7 @@ class SpeculativeServingStatus(Model):
     metrics: MetricsStatus | None = None
     autoscaling: AutoscalingStatus | None = None
     speculation: SpeculationStatus | None = None
-    fallback: OperatorChange | None = None
+    fallback: FallbackStatus | None = None
     draft_schedule: DraftScheduleStatus | None = None
     replicas: int = 0
     selector: str = ""

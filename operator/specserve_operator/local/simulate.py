@@ -127,7 +127,7 @@ def simulate(scenario: Scenario, requests: list[Arrival], seed: int, controller=
                 outage = any(f.kind == "prometheusOutage" and f.active(now_s) for f in scenario.faults)
                 record, events = operator.tick(now_s, outage)
                 for event in events:
-                    if event.reason in ROLLOUT_ENDS and run.decision is None:
+                    if event.reason in ROLLOUT_ENDS:  # the last: a lost fallback can be retried
                         run.decision, run.decision_at = ROLLOUT_ENDS[event.reason], now_s
                     if event.reason == "SpeculationDegraded" and run.degraded_at is None:
                         run.degraded_at = now_s
