@@ -14,12 +14,13 @@ the live revision and `assess` compares the window with two references:
   costs more than it saves at this load, whatever its acceptance: acceptance can stay flat while
   more concurrency makes each verify step dearer. Without a prior for none it is not judged.
 
-Fallback. With spec.speculationHealth.fallback set (and autoFallback), a degraded revision whose last analysis
-measured it slower than minSpeedup times plain decoding (calls_for_fallback) starts a fallback (status.fallback): while the spec keeps that generation, `with_fallback` makes the spec
-the operator runs one whose stable revision is the degraded one and whose rollout's candidate is
-the fallback speculator, so the fallback goes through the same canary, analysis and rollback as
-any candidate: one that does worse is rolled back, and the degraded revision keeps serving. While it
-still calls for one, the lost fallback is retried, each time twice as late (retries_fallback).
+Fallback. With spec.speculationHealth.fallback set (and autoFallback), a degraded revision whose last
+analysis measured it slower than minSpeedup times plain decoding (calls_for_fallback) starts a fallback
+(status.fallback): while the spec keeps that generation, `with_fallback` makes the spec the operator
+runs one whose stable revision is the degraded one and whose rollout's candidate is the fallback
+speculator, so the fallback goes through the same canary, analysis and rollback as any candidate: one
+that does worse is rolled back, and the degraded revision keeps serving. While the revision still calls
+for one, the lost fallback is retried, each time twice as late (retries_fallback).
 
 A window without data or with fewer than analysis.MIN_GENERATED_TOKENS is Inconclusive: it neither counts
 nor clears, so a Prometheus outage never degrades a serving. A saturated window (its requests
@@ -97,10 +98,10 @@ def is_degraded(status: api.SpeculationStatus | None, health: api.SpeculationHea
 
 def calls_for_fallback(status: api.SpeculationStatus | None, health: api.SpeculationHealth, judges_speed: bool) -> bool:
     """Degraded, and measured slower than minSpeedup times plain decoding at its load: only then would a fallback
-    win its canary. A drafter degraded by its acceptance alone can still save more than it costs, and a fallback
-    that loses is not retried while the spec keeps its generation, so it would be gone when a drift that goes on
-    makes the drafter worse than plain decoding. A window that could not judge the speed (saturated) waits for
-    one that can. Without a capacity prior for plain decoding (`judges_speed` False) acceptance alone decides."""
+    win its canary. A drafter degraded by its acceptance alone can still save more than it costs; a fallback
+    started then loses, and each retry comes later (retries_fallback), when a drift that goes on makes the drafter
+    slower than plain decoding. A window that could not judge the speed (saturated) waits for one that can.
+    Without a capacity prior for plain decoding (`judges_speed` False) acceptance alone decides."""
     if not is_degraded(status, health):
         return False
     speedup = status.last_analysis.speedup if status.last_analysis is not None else None
