@@ -91,3 +91,17 @@ def start_fallback(spec: api.SpeculativeServingSpec, due: bool, live: Revision, 
     events.append(Event("Warning", "FallbackStarted", f"revision {live.hash} ({live.speculator.method}) is degraded: "
                                                       f"rolling {chosen.speculator.method} out as a canary candidate"))
     return api.FallbackStatus(generation=generation, from_revision=live.hash, at=at)
+
+
+def retry_fallback(spec: api.SpeculativeServingSpec, settings: Settings, started: api.FallbackStatus | None,
+                   last: api.RolloutRecord | None, candidate: str | None, speculation: api.SpeculationStatus | None,
+                   at: str, events: list[Event]) -> api.FallbackStatus | None:
+    """The fallback's next attempt when its canary lost and the revision still calls for it (health.retries_fallback),
+    else None."""
+    if started is None or not health.retries_fallback(started, last, candidate, speculation, spec.speculation_health,
+                                                      judges_speed=plain_decoding(settings) is not None):
+        return None
+    attempt = started.model_copy(update={"attempts": started.attempts + 1, "at": at})
+    events.append(Event("Warning", "FallbackRetried", f"revision {started.from_revision} is still degraded: "
+                                                      f"rolling the fallback out again (attempt {attempt.attempts})"))
+    return attempt

@@ -14,7 +14,7 @@ from specserve_runtime.config import DEFAULT_PORT
 
 from . import api, autoscale, health
 from .analysis import Report
-from .live import apply_schedule, plain_decoding, speculation_health, start_fallback
+from .live import apply_schedule, retry_fallback, speculation_health, start_fallback
 from .measure import MeasurementError, Pricing, ScrapeSource, Target, Window
 from .render import CHILD_KINDS, Profile, Serving, Settings, render_all
 from .replicas import (Traffic, candidate_hash, planned_revisions, pods_to_keep, replica_budget, replica_ceiling, replica_room, revision_hash,
@@ -329,18 +329,12 @@ def reconcile(cluster: Cluster, body: dict, settings: Settings, source, now: dat
     stable_hash, candidate = revision_hash(spec.model, spec.speculator, spec.runtime), candidate_hash(spec)
     canary = api.CanaryStatus.model_validate(old_status["canary"]) if old_status.get("canary") else None
     last = api.RolloutRecord.model_validate(old_status["lastRollout"]) if old_status.get("lastRollout") else None
-    retried = started is not None and health.retries_fallback(started, last, candidate, speculation, spec.speculation_health,
-                                                              plain_decoding(settings) is not None)
-    if retried:  # the lost fallback's canary again, from its first step
-        last, canary = None, None
-        started = started.model_copy(update={"attempts": started.attempts + 1, "at": at})
-
     # The order of the decisions: the rollout decides the stage and weight; the autoscaler sizes the
     # total for the revisions that stage runs; rendering splits the total by the weight.
     outcome, problems_seen = Outcome({}, slo=effective_slo(spec, profile)), []
-    if retried:
-        outcome.events.append(Event("Warning", "FallbackRetried", f"revision {started.from_revision} is still degraded: "
-                                    f"rolling the fallback out again (attempt {started.attempts})"))
+    retried = retry_fallback(spec, settings, started, last, candidate, speculation, at, outcome.events)
+    if retried is not None:  # the lost fallback's canary again, from its first step
+        started, last, canary = retried, None, None
 
     def measure(revisions_: list[str]) -> list[Window]:
         windows, problem, _ = measure_interval(cluster, source, serving, profile, revisions_, deployments,
