@@ -363,15 +363,18 @@ def tick(
                 revision=w.revision, at=at, in_flight_per_replica=w.in_flight_per_replica,
                 p99_inter_token_latency_ms=w.p99_inter_token_latency_ms,
                 p99_time_to_first_token_ms=None if after_backlog else w.p99_time_to_first_token_ms,
-                ms_per_token=w.ms_per_token))
+                ms_per_token=w.ms_per_token, acceptance_length=w.acceptance_length))
     kept = []
     for revision in serving:
         kept += [o for o in observations if o.revision == revision][-OBSERVATIONS:]
+    # A revision's acceptance now: its window's (a saturated one measures it too), else its last observation's.
+    acceptance = {o.revision: o.acceptance_length for o in kept if o.acceptance_length is not None}
+    acceptance |= {w.revision: w.acceptance_length for w in windows if w.missing is None and w.acceptance_length is not None}
     capacities = []
     for revision in sorted(set(deciding)):
         measured = [Point(o.in_flight_per_replica, o.p99_inter_token_latency_ms, o.p99_time_to_first_token_ms,
-                          o.ms_per_token) for o in kept if o.revision == revision]
-        model = fit(measured, priors.get(revision, Prior()))
+                          o.ms_per_token, o.acceptance_length) for o in kept if o.revision == revision]
+        model = fit(measured, priors.get(revision, Prior()), acceptance.get(revision))
         if model is not None:
             capacities.append(model)
 

@@ -9,7 +9,9 @@ requests spent more than a tenth of their time queued beyond the engine's batch:
 the backlog, not the replica, and a backlog of hundreds per replica would drag the lines long
 after it is served, until its windows age out) together with a prior: points from a
 performance table (the operator's SPECSERVE_CAPACITY_PRIORS, a scenario's `performance` curves),
-each weighted as one window. The p99 lines are what the SLO is checked against; the mean line is
+each weighted as one window. A drafter's points are read at its latest acceptance length (at_acceptance), so a
+window measured before its acceptance fell does not overstate the replica. The p99 lines are what
+the SLO is checked against; the mean line is
 the service time with which the autoscaler predicts c from an arrival rate (Little's law needs a
 mean: sizing the queue on the p99 over-predicts c, and more so the busier the replica). When the
 points do not spread over load (all at one concurrency), the slope cannot be estimated and the
@@ -26,7 +28,7 @@ prior's table says how many (its maxConcurrency, else its highest concurrency), 
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 OBSERVATIONS = 30  # measured windows kept per revision
 MIN_SPREAD = 0.25  # in-flight requests per replica: less spread than this cannot estimate a slope
@@ -38,6 +40,7 @@ class Point:
     p99_inter_token_latency_ms: float
     p99_time_to_first_token_ms: float | None = None
     ms_per_token: float | None = None  # mean time in the system per generated token (measure.Window.ms_per_token)
+    acceptance_length: float | None = None  # the speculative acceptance it was measured at; None: not drafting
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,10 @@ class Prior:
     points: Sequence[Point] = ()
     batch: float | None = None
 
+    def at_acceptance(self, acceptance_length: float | None) -> "Prior":
+        """The table's points measured at its acceptance length (when it says one)."""
+        return Prior(tuple(replace(p, acceptance_length=acceptance_length) for p in self.points), self.batch)
+
 
 @dataclass(frozen=True)
 class Capacity:
@@ -97,9 +104,22 @@ class Capacity:
         return (self.ttft.at(in_flight_per_replica) + 2 * self.ttft.residual) * (1 + self.margin)
 
 
-def fit(measured: Sequence[Point], prior: Prior = Prior()) -> Capacity | None:
-    """The model from measured points and the prior's; None when there is neither."""
-    points = list(prior.points) + list(measured)
+def at_acceptance(point: Point, acceptance_length: float | None) -> Point:
+    """The point as if measured at `acceptance_length`. A speculative step costs what the load and the draft
+    length make it cost, however much of the draft is accepted, and yields acceptance-length tokens on average,
+    so the time per generated token scales as 1 / acceptance length: a window from before the drafter's
+    acceptance fell would otherwise overstate the replica's capacity for as long as it is kept. (The p99
+    inter-token latency is not rescaled: vLLM observes it per step, one step per emission of tokens.)"""
+    if acceptance_length is None or point.acceptance_length is None or point.ms_per_token is None:
+        return point
+    return replace(point, ms_per_token=point.ms_per_token * point.acceptance_length / acceptance_length,
+                   acceptance_length=acceptance_length)
+
+
+def fit(measured: Sequence[Point], prior: Prior = Prior(), acceptance_length: float | None = None) -> Capacity | None:
+    """The model from measured points and the prior's, their times per token at `acceptance_length` (the
+    revision's latest; None leaves them as measured); None when there are no points."""
+    points = [at_acceptance(p, acceptance_length) for p in list(prior.points) + list(measured)]
     if not points:
         return None
     itl = fit_line([p.in_flight_per_replica for p in points], [p.p99_inter_token_latency_ms for p in points])

@@ -24,8 +24,8 @@ for one, the lost fallback is retried, each time twice as late (retries_fallback
 
 A window without data or with fewer than analysis.MIN_GENERATED_TOKENS is Inconclusive: it neither counts
 nor clears, so a Prometheus outage never degrades a serving. A saturated window (its requests
-mostly queued beyond the engine's batch) measures the backlog, not the speculation: its speed is
-not judged, its acceptance is. sustainedAnalyses degraded analyses in a row set
+mostly queued beyond the engine's batch) is judged at the batch: the requests decoding, their time per token
+without the wait. sustainedAnalyses degraded analyses in a row set
 SpeculationDegraded; one healthy analysis clears it.
 """
 
@@ -69,15 +69,17 @@ def assess(previous: api.SpeculationStatus | None, revision: str, window: Window
     elif acceptance is not None:
         reasons.append(f"acceptanceRatio: baseline from {count} of {BASELINE_ANALYSES} analyses")
     speedup = None
-    measured, load = window.ms_per_token, window.in_flight_per_replica
-    if plain is not None and saturated(window):
-        reasons.append("speedup: not judged: requests mostly queued beyond the engine's batch (the window measures the backlog)")
-    elif plain is not None and measured and load is not None:
+    measured, load, where = window.ms_per_token, window.in_flight_per_replica, "in flight"
+    if saturated(window):
+        # Most of its requests' time is the wait beyond the batch, which plain decoding would queue as well:
+        # the speed is that of the batch decoding, against plain decoding's with as many requests in it.
+        measured, load, where = window.decoding_ms_per_token, window.decoding_per_replica, "decoding (the rest queued)"
+    if plain is not None and measured and load is not None:
         predicted = plain.service.at(load)
         speedup = predicted / measured
         ok = speedup >= health.min_speedup
         reasons.append(f"speedup: {speedup:.2f}x {'>=' if ok else '<'} {health.min_speedup:g}x (plain decoding "
-                       f"{predicted:.3g} ms per token at {load:.2f} in flight per replica, measured {measured:.3g})")
+                       f"{predicted:.3g} ms per token at {load:.2f} {where} per replica, measured {measured:.3g})")
         degraded |= not ok
     judged = speedup is not None or (ratio is not None and count >= BASELINE_ANALYSES)
     verdict = "Degraded" if degraded else "Healthy" if judged else "Inconclusive"

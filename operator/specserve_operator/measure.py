@@ -105,9 +105,24 @@ class Window:
         """Mean time a request spends in the system per token it generates (ms), by Little's law on
         the window: requests in flight over the rate they generate tokens at. The service time the
         autoscaler's queue model needs (a p99 is not a mean)."""
-        if self.in_flight_per_replica is None or not self.tokens_per_second:
+        return self._ms_per_token(self.in_flight_per_replica)
+
+    @property
+    def decoding_per_replica(self) -> float | None:
+        """Requests in the engine's batch per replica: in flight less those queued beyond it."""
+        if self.in_flight_per_replica is None:
             return None
-        return 1000 * self.in_flight_per_replica * self.ready_replicas / self.tokens_per_second
+        return self.in_flight_per_replica - (self.waiting_per_replica or 0.0)
+
+    @property
+    def decoding_ms_per_token(self) -> float | None:
+        """Mean time per generated token of the requests in the batch (ms): ms_per_token without the queue's wait."""
+        return self._ms_per_token(self.decoding_per_replica)
+
+    def _ms_per_token(self, per_replica: float | None) -> float | None:
+        if per_replica is None or not self.tokens_per_second:
+            return None
+        return 1000 * per_replica * self.ready_replicas / self.tokens_per_second
 
     @classmethod
     def no_data(cls, target: Target, seconds: float, reason: str) -> "Window":

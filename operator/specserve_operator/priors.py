@@ -14,8 +14,11 @@ from .validate import InputProblems, pydantic_problems
 
 
 def capacity_priors(performance: Performance) -> dict[str, Prior]:
-    """The autoscaler's capacity prior per method (render.Settings.capacity_priors) from performance tables."""
+    """The autoscaler's capacity prior per method (render.Settings.capacity_priors) from performance tables, at
+    the acceptance length a drafter's table states (the capacity model rescales it to what the revision accepts)."""
     return {method: prior_points([row.model_dump(by_alias=True) for row in table.curve], table.max_concurrency)
+            .at_acceptance(table.acceptance_length if method != "none" and "acceptance_length" in table.model_fields_set
+                           else None)
             for method in METHODS if (table := getattr(performance, method)) is not None}
 
 

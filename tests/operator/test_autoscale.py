@@ -147,6 +147,48 @@ def test_without_spread_the_model_assumes_fixed_throughput():
     assert in_flight(model, 0.5, TOKENS) == pytest.approx(u / (1 - u))  # the processor-sharing queue
 
 
+def test_times_per_token_are_rescaled_to_the_acceptance_now():
+    """A step costs the same whatever its draft's acceptance; it yields acceptance-length tokens, so a window
+    measured at acceptance 4 and one at 2 with the same ms/token disagree by 2x once both are read at 2."""
+    then, now = Point(4, 20.0, None, 10.0, acceptance_length=4.0), Point(4, 20.0, None, 10.0, acceptance_length=2.0)
+    as_measured = fit([then, now])
+    rescaled = fit([then, now], acceptance_length=2.0)
+    assert as_measured.service.at(4) == pytest.approx(10.0)
+    assert rescaled.service.at(4) == pytest.approx((20.0 + 10.0) / 2)  # the old window at half the tokens per step
+    assert rescaled.itl.at(4) == pytest.approx(20.0)  # a step's latency (vLLM's ITL) is not rescaled
+    plain = Point(4, 20.0, None, 10.0)  # no drafts (method none): nothing to rescale
+    assert fit([plain], acceptance_length=2.0).service.at(4) == pytest.approx(10.0)
+    # a prior states the acceptance of its table
+    prior = Prior(LINEAR).at_acceptance(4.0)
+    assert fit([], prior, acceptance_length=2.0).service.at(8) == pytest.approx(2 * (8.0 + 0.8 * 8))
+
+
+def test_a_falling_acceptance_plans_replicas_for_the_acceptance_now():
+    """Old windows at a high acceptance overstate a replica's capacity once the drafter accepts less: tick reads
+    every kept window at the acceptance of the latest one, so the count follows the drift at once."""
+    spec, profile = autoscaled_serving()
+
+    def window(acceptance, ms_per_token_at_4):  # the same demand; the time per token is 4 / acceptance of that at 4
+        tokens_per_second = 2 * 4.0 * 1000 / (ms_per_token_at_4 * 4.0 / acceptance)
+        return Window("abc", 30, 2, in_flight_per_replica=4.0, p99_inter_token_latency_ms=20.0,
+                      generated_tokens=27000, tokens_per_second=tokens_per_second, finished_requests=180,
+                      acceptance_length=acceptance)
+
+    def replicas_after(acceptances):
+        status = api.AutoscalingStatus()
+        for index, acceptance in enumerate(acceptances):
+            status, decision = tick(status, [window(acceptance, 10.0)], ["abc"], {}, spec, profile, profile.slo, 2,
+                                    False, T0 + datetime.timedelta(seconds=30 * index), startup_seconds=0)
+        return decision.recommended
+
+    steady = replicas_after([4.0] * 20)
+    dropped = replicas_after([4.0] * 19 + [2.0])
+    assert steady >= 3 and dropped >= 2 * steady - 1  # half the tokens per step: about twice the replicas, from one window
+    status = api.AutoscalingStatus()
+    status, _ = tick(status, [window(3.0, 10.0)], ["abc"], {}, spec, profile, profile.slo, 2, False, T0, startup_seconds=0)
+    assert status.observations[0].acceptance_length == 3.0  # kept in status: a restart rescales as before
+
+
 def test_latency_never_falls_with_load_in_the_model():
     model = fit([Point(1, 50.0), Point(4, 20.0)])  # noise that would fit a falling line
     assert model.itl.slope == 0.0

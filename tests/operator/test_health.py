@@ -90,14 +90,22 @@ def test_thresholds_are_the_spec_s():
     assert is_degraded(status, strict) and not is_degraded(run([window(3.0)] * BASELINE_ANALYSES + [window(2.8)]), HEALTH)
 
 
-def test_a_window_queued_beyond_the_batch_judges_acceptance_but_not_speed():
-    """Its time per token is the backlog's wait, not the speculation's; its acceptance is the drafter's all the same."""
+def test_a_window_queued_beyond_the_batch_is_judged_at_the_batch_not_on_its_wait():
+    """Its time in the system is mostly the backlog's wait, which plain decoding would queue as well: the speed is
+    the batch's (the requests decoding, their time per token without the wait) against plain decoding's at that
+    batch; its acceptance is the drafter's all the same."""
     status = run([window(3.0)] * BASELINE_ANALYSES)
-    queued = run([window(3.0, ms_per_token=60.0, in_flight=20.0, waiting_per_replica=15.0)], status)
-    assert queued.last_analysis.verdict == "Healthy" and queued.last_analysis.speedup is None
-    assert queued.last_analysis.reasons[1].startswith("speedup: not judged: requests mostly queued beyond the engine's batch")
-    fallen = run([window(2.0, ms_per_token=60.0, in_flight=20.0, waiting_per_replica=15.0)], status)
-    assert fallen.last_analysis.verdict == "Degraded"
+    # 20 in flight per replica, 17 of them queued: 60 ms per token in the system, 9 ms for the 3 decoding
+    fast_batch = run([window(3.0, ms_per_token=60.0, in_flight=20.0, waiting_per_replica=17.0)], status)
+    assert fast_batch.last_analysis.verdict == "Healthy"
+    assert fast_batch.last_analysis.speedup == pytest.approx((8.0 + 0.8 * 3) / 9.0)  # not 10.4 / 60
+    assert fast_batch.last_analysis.reasons[1].startswith(
+        "speedup: 1.16x >= 1x (plain decoding 10.4 ms per token at 3.00 decoding (the rest queued) per replica, measured 9)")
+    # 5 decoding: 15 ms per token, plain decoding 12 ms
+    slow_batch = run([window(3.0, ms_per_token=60.0, in_flight=20.0, waiting_per_replica=15.0)], status)
+    assert slow_batch.last_analysis.verdict == "Degraded" and slow_batch.last_analysis.speedup == pytest.approx(0.8)
+    fallen = run([window(2.0, ms_per_token=60.0, in_flight=20.0, waiting_per_replica=17.0)], status)
+    assert fallen.last_analysis.verdict == "Degraded" and fallen.last_analysis.acceptance_ratio == pytest.approx(2 / 3)
 
 
 # ---- fallback ----------------------------------------------------------------------------------
@@ -106,15 +114,17 @@ def test_a_window_queued_beyond_the_batch_judges_acceptance_but_not_speed():
 def test_a_fallback_is_called_for_once_the_degraded_drafter_measures_slower_than_plain_decoding():
     """Degraded on acceptance while still faster than plain decoding, a drafter would beat its fallback's canary, and
     the lost fallback would not be retried: the fallback waits for a window that measures it slower (a saturated
-    one cannot). Without a prior for plain decoding acceptance alone calls for it."""
+    one at its batch). Without a prior for plain decoding acceptance alone calls for it."""
     status = run([window(3.0)] * BASELINE_ANALYSES)
     still_faster = run([window(2.0, ms_per_token=5.0, in_flight=1.0)] * 3, status)  # plain: 8.8 ms per token
     assert is_degraded(still_faster, HEALTH) and not calls_for_fallback(still_faster, HEALTH, judges_speed=True)
     assert calls_for_fallback(still_faster, HEALTH, judges_speed=False)
     slower = run([window(2.0, ms_per_token=25.0, in_flight=15.0)], still_faster)  # plain: 20 ms
     assert calls_for_fallback(slower, HEALTH, judges_speed=True)
-    queued = run([window(2.0, ms_per_token=60.0, in_flight=20.0, waiting_per_replica=15.0)], still_faster)
-    assert is_degraded(queued, HEALTH) and not calls_for_fallback(queued, HEALTH, judges_speed=True)
+    queued_fast = run([window(2.0, ms_per_token=60.0, in_flight=20.0, waiting_per_replica=17.0)], still_faster)
+    assert is_degraded(queued_fast, HEALTH) and not calls_for_fallback(queued_fast, HEALTH, judges_speed=True)
+    queued_slow = run([window(2.0, ms_per_token=60.0, in_flight=20.0, waiting_per_replica=15.0)], still_faster)
+    assert calls_for_fallback(queued_slow, HEALTH, judges_speed=True)  # a backlog does not hide a slow batch
     healthy = run([window(3.0, ms_per_token=25.0, in_flight=15.0)] * 2, status)  # slower, but not sustained yet
     assert not calls_for_fallback(healthy, HEALTH, judges_speed=True)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 from specserve_operator import replicas, rollout
+from specserve_operator.health import FALLBACK_STEPS
 from specserve_operator.local import scenario as scenario_module
 from specserve_operator.local import fleet_model, simulate
 from specserve_operator.replicas import replica_budget, revision_hash
@@ -134,19 +135,35 @@ def test_a_drift_degrades_the_speculation_in_every_seed_within_its_sustained_ana
     scenario = scenario_module.Scenario.model_validate(doc)
     run_ = simulate.simulate(scenario, simulate.arrivals(scenario, scenario.seed), scenario.seed)
     assert {t.stage for t in run_.ticks if t.t < run_.degraded_at} <= {"Serving", "Pending"}
-    assert {t.stage for t in run_.ticks if t.t >= run_.degraded_at} == {"Degraded", "Pending"}  # Pending: scaling up
+    assert {t.stage for t in run_.ticks if t.t >= run_.degraded_at} <= {"Degraded", "Pending"}  # Pending: scaling up
+    assert run_.ticks[-1].stage == "Degraded"
 
 
-def test_a_degraded_drafter_falls_back_through_a_canary_and_the_fleet_does_better_than_keeping_it():
+def test_a_degraded_drafter_falls_back_through_a_canary_and_then_decodes_with_the_headroom_the_drafter_lacks():
     """The same drift with `fallback: {speculator: {method: none}}`: plain decoding is rolled out as a candidate once
-    the drafter is degraded, passes the canary against it and is promoted in every seed; over the hour the fleet
-    meets its SLO more often and costs less (the same requests: more tokens per dollar) than one keeping the drafter."""
+    the drafter is degraded (judged at its batch while its queue drains: no interval lost waiting for a window
+    without a queue), passes the canary against it and is promoted in every seed. The minutes lost at the drift are
+    the same for both fleets and the cost over the hour about the same (the canary runs both revisions for minutes;
+    docs/benchmarks.md); the fallback meets the SLO at least as often, and once it serves alone it decodes well
+    inside the SLO on no more replicas than the drafter needs at its edge."""
     kept, fell_back = five_seeds_of("drift-acceptance-falls"), five_seeds_of("drift-fallback")
     assert fell_back["decisions"] == {"Promoted": 5}
-    assert fell_back["speculationDegradedAtSeconds"]["max"] < fell_back["decisionAtSeconds"]["min"]
-    assert fell_back["sloAttainment"]["min"] > kept["sloAttainment"]["min"]
-    assert fell_back["costVsStaticPeak"] < kept["costVsStaticPeak"]  # the same staticPeak: the drafter before the drift
-    assert fell_back["tokensPerDollarVsInFlight"] > kept["tokensPerDollarVsInFlight"]
+    degraded = fell_back["speculationDegradedAtSeconds"]
+    assert degraded["max"] < fell_back["decisionAtSeconds"]["min"]
+    startup, (step,) = document("drift-fallback")["startupSeconds"], FALLBACK_STEPS
+    # degraded, the canary's pods started, its one step analysed, and the promotion's next tick
+    assert fell_back["decisionAtSeconds"]["max"] <= degraded["max"] + startup + step.analysis_seconds + 2 * 60
+    assert fell_back["sloAttainment"]["min"] >= kept["sloAttainment"]["min"]
+    late = {}
+    for name in ("drift-fallback", "drift-acceptance-falls"):
+        scenario = scenario_module.Scenario.model_validate(document(name))
+        run_ = simulate.simulate(scenario, simulate.arrivals(scenario, scenario.seed), scenario.seed)
+        start = scenario.duration_seconds - 900  # the last quarter hour: both fleets settled
+        ticks = [t for t in run_.ticks if t.t > start]
+        late[name] = (run_.fleet.truth(start, scenario.duration_seconds)[0], max(sum(t.ready.values()) for t in ticks))
+    (fallback_itl, fallback_replicas), (drafter_itl, drafter_replicas) = late["drift-fallback"], late["drift-acceptance-falls"]
+    assert fallback_replicas <= drafter_replicas and fallback_itl < 0.8 * drafter_itl
+    assert drafter_itl > 0.8 * document("drift-fallback")["profile"]["slo"]["p99InterTokenLatencyMs"]
 
 
 def test_a_gradual_drift_falls_back_once_the_drafter_is_slower_than_plain_decoding_not_when_its_acceptance_falls(
@@ -155,7 +172,9 @@ def test_a_gradual_drift_falls_back_once_the_drafter_is_slower_than_plain_decodi
     early, while it still decodes faster than plain decoding would: a fallback then would lose its canary and not
     be retried, leaving the drafter in place when it later costs more than it saves. The canary starts only after
     the ramp takes the drafter below plain decoding at some batch size, and is promoted in every seed; the fleet
-    does better over the hour than the same serving keeping its drafter."""
+    meets its SLO more often over the hour than the same serving keeping its drafter, which costs less: the canary
+    runs both revisions for minutes, and in the quarter hour left the drafter needs no more replicas (its
+    capacity model follows its acceptance)."""
     doc = document("drift-gradual")
     scenario = scenario_module.Scenario.model_validate(doc)
     (drift,) = scenario.faults
@@ -178,17 +197,17 @@ def test_a_gradual_drift_falls_back_once_the_drafter_is_slower_than_plain_decodi
     assert code == 0, err
     keeping = json.loads(out.strip().splitlines()[-1])
     assert fell_back["sloAttainment"]["median"] > keeping["sloAttainment"]["median"]
-    assert fell_back["costVsStaticPeak"] < keeping["costVsStaticPeak"]
 
 
-def test_a_fallback_that_loses_at_the_crossover_is_retried_later_and_promoted():
-    """Seed 14 of drift-gradual.yaml starts its fallback at the crossover, where the drafter and plain decoding decode
-    alike: the fallback loses its canary. The drift goes on, the drafter stays slower, and after the back-off
-    (sustainedAnalyses x intervalSeconds x 2) the fallback is rolled out again and promoted."""
+def test_a_fallback_that_loses_its_canary_is_retried_later_and_promoted():
+    """drift-gradual.yaml with minSpeedup 1.5: the fallback starts while the drafter is still faster than plain
+    decoding (less than 1.5x), and loses its canary. The drift goes on, the drafter becomes slower, and after the
+    back-off (sustainedAnalyses x intervalSeconds x 2) the fallback is rolled out again and promoted."""
     doc = document("drift-gradual")
+    doc["serving"]["speculationHealth"]["minSpeedup"] = 1.5
     scenario = scenario_module.Scenario.model_validate(doc)
     health = scenario.serving.speculation_health
-    run_ = simulate.simulate(scenario, simulate.arrivals(scenario, 14), 14)
+    run_ = simulate.simulate(scenario, simulate.arrivals(scenario, 2), 2)
     stages = [(t.t, t.stage) for t in run_.ticks]
     lost = next(t for t, stage in stages if stage == "RollingBack")
     retried = next(t for t, stage in stages if stage == "Progressing" and t > lost)

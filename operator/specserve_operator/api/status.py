@@ -91,6 +91,9 @@ class CapacityObservation(Model):
     p99_time_to_first_token_ms: float | None = None
     ms_per_token: float | None = Field(
         None, description="mean time a request spends in the system per generated token (Little's law on the window)")
+    acceptance_length: float | None = Field(
+        None, description="the window's mean acceptance length (None: no drafts): its time per token is rescaled "
+                          "to the revision's latest acceptance when the capacity model is fitted")
 
 
 class DemandPoint(Model):
