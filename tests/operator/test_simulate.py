@@ -79,8 +79,10 @@ def test_the_five_scenarios_are_shipped():
 def test_never_above_the_budget_and_every_run_reports_the_same_keys(name):
     result = result_of(name)
     budget = document(name)["profile"]["limits"]["maxHourlyCostUSD"]
-    assert SUMMARY_KEYS | {"decision", "decisionAtSeconds", "speculationDegradedAtSeconds", "seed", "baselines"} == set(result)
-    if not any(fault["kind"] == "drift" for fault in document(name).get("faults") or []):
+    drifts = any(fault["kind"] == "drift" for fault in document(name).get("faults") or [])
+    assert SUMMARY_KEYS | {"decision", "decisionAtSeconds", "speculationDegradedAtSeconds", "seed", "baselines"} | (
+        {"afterDrift"} if drifts else set()) == set(result)
+    if not drifts:
         assert result["speculationDegradedAtSeconds"] is None  # the live revision's speculation pays throughout
     assert set(result["baselines"]) == {"staticPeak", "inFlight", "hpaRequestRate"}
     for summary in [result, *result["baselines"].values()]:
@@ -197,6 +199,36 @@ def test_a_gradual_drift_falls_back_once_the_drafter_is_slower_than_plain_decodi
     assert code == 0, err
     keeping = json.loads(out.strip().splitlines()[-1])
     assert fell_back["sloAttainment"]["median"] > keeping["sloAttainment"]["median"]
+
+
+def test_after_a_drift_the_fleet_is_measured_against_the_fallback_run_from_the_start():
+    """afterDrift: from RECOVERY_INTERVALS analysis intervals after the drift (its ramp's end) to the end, the SLO
+    met and tokens per dollar, against the same serving running its fallback's speculator from the start on the
+    same requests (no drift touches it). Tokens and cost are those of that span alone."""
+    doc = document("drift-fallback")
+    scenario = scenario_module.Scenario.model_validate(doc)
+    (drift,) = scenario.faults
+    deadline = simulate.recovery_deadline(scenario)
+    assert deadline == drift.at_seconds + simulate.RECOVERY_INTERVALS * scenario.serving.speculation_health.interval_seconds
+    best = simulate.best_after_drift(scenario)
+    assert best.serving.speculator.method == "none" and best.serving.speculation_health.fallback is None
+    result, run_ = simulate.run_all(scenario, 3)
+    after = result["afterDrift"]
+    assert after["fromSeconds"] == deadline and after["best"]["speculator"] == "none"
+    later = [t for t in run_.ticks if t.t > deadline]
+    expected_cost = sum(t.hourly_usd for t in later) * scenario.tick_seconds / 3600  # billed pods, tick by tick
+    assert run_.fleet.cost_usd(deadline) == pytest.approx(expected_cost, rel=0.05)
+    assert round(run_.fleet.generated_tokens()) == result["generatedTokens"]
+    assert 0 < run_.fleet.generated_tokens(deadline) < run_.fleet.generated_tokens()
+    assert after["tokensPerDollar"] == pytest.approx(run_.fleet.generated_tokens(deadline) / run_.fleet.cost_usd(deadline), rel=1e-3)
+    assert after["tokensPerDollarVsBest"] == pytest.approx(after["tokensPerDollar"] / after["best"]["tokensPerDollar"], rel=1e-3)
+    assert after["best"]["sloAttainment"] == 1.0  # plain decoding from the start never met the drift
+    # the queue at the drift still costs its minutes after the deadline: below the best, not above it
+    assert after["tokensPerDollarVsBest"] < 1.0 and after["sloAttainment"] < 1.0
+    assert simulate.recovery_deadline(scenario_module.Scenario.model_validate(document("diurnal-dflash"))) is None
+    gradual = scenario_module.Scenario.model_validate(document("drift-gradual"))
+    (ramp,) = gradual.faults
+    assert simulate.recovery_deadline(gradual) == ramp.at_seconds + ramp.ramp_seconds + 3 * 60
 
 
 def test_a_fallback_that_loses_its_canary_is_retried_later_and_promoted():

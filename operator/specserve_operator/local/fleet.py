@@ -372,13 +372,15 @@ class Fleet:
     def finish(self) -> None:
         self.advance_to(self.duration)
 
-    def cost_usd(self) -> float:
+    def cost_usd(self, start: float = 0.0) -> float:
+        """Billed from `start` to the end: each pod from its creation until it is removed (or the end)."""
         hourly = self.pricing.replica_hourly_usd
-        seconds = sum((p.removed if p.removed is not None else self.duration) - p.created for p in self.pods)
+        seconds = sum(max(0.0, (p.removed if p.removed is not None else self.duration) - max(p.created, start))
+                      for p in self.pods)
         return seconds * hourly / 3600
 
-    def generated_tokens(self) -> float:
-        return sum(b.tokens for row in self.bins.values() for b in row if b is not None)
+    def generated_tokens(self, start: float = 0.0) -> float:
+        return self.gather(list(self.bins), start, self.nbins).tokens
 
     def failed_requests(self) -> int:
         return sum(b.errors for row in self.bins.values() for b in row if b is not None) + sum(self.rejected)

@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import api
 from ..reconcile import effective_slo
 from ..render import Profile
 from ..replicas import candidate_hash, candidate_runtime, replica_budget, revision_hash
@@ -147,9 +148,10 @@ def simulate(scenario: Scenario, requests: list[Arrival], seed: int, controller=
     return run
 
 
-def summary(run: Run, scenario: Scenario) -> dict:
+def slo_met(run: Run, scenario: Scenario) -> list[bool]:
+    """Per tick: did the fleet meet the SLO over it (no request rejected, fleet-wide p99s within it)?"""
     fleet, slo = run.fleet, effective_slo(scenario.serving, Profile(scenario.serving.profile, scenario.profile))
-    met = met_unlimited = unlimited = 0
+    met = []
     for record in run.ticks:
         itl, ttft, _, rejected = fleet.truth(record.t - scenario.tick_seconds, record.t)
         ok = rejected == 0
@@ -157,15 +159,18 @@ def summary(run: Run, scenario: Scenario) -> dict:
             ok = itl <= slo.p99_inter_token_latency_ms
         if ok and ttft is not None and slo.p99_time_to_first_token_ms is not None:
             ok = ttft <= slo.p99_time_to_first_token_ms
-        met += ok
-        if not record.budget_limited:
-            unlimited += 1
-            met_unlimited += ok
+        met.append(ok)
+    return met
+
+
+def summary(run: Run, scenario: Scenario) -> dict:
+    fleet, met = run.fleet, slo_met(run, scenario)
+    unlimited = [ok for ok, record in zip(met, run.ticks) if not record.budget_limited]
     cost, tokens = fleet.cost_usd(), fleet.generated_tokens()
     return {
-        "sloAttainment": round(met / len(run.ticks), 4) if run.ticks else 1.0,
+        "sloAttainment": round(sum(met) / len(met), 4) if met else 1.0,
         # the ticks whose fleet the budget did not cap: what the autoscaler's choices alone answer for
-        "sloAttainmentWithinBudget": round(met_unlimited / unlimited, 4) if unlimited else 1.0,
+        "sloAttainmentWithinBudget": round(sum(unlimited) / len(unlimited), 4) if unlimited else 1.0,
         "costUSD": round(cost, 4),
         "tokensPerDollar": round(tokens / cost, 1) if cost > 0 else None,
         "maxHourlyCostUSD": round(fleet.max_billed * fleet.pricing.replica_hourly_usd, 4),
@@ -173,6 +178,39 @@ def summary(run: Run, scenario: Scenario) -> dict:
         "generatedTokens": round(tokens),
         "failedRequests": fleet.failed_requests(),
     }
+
+
+# ---- after a drift ------------------------------------------------------------------------------
+
+RECOVERY_INTERVALS = 3  # analysis intervals after a drift (its ramp's end) within which the fleet should recover
+
+
+def recovery_deadline(scenario: Scenario) -> float | None:
+    """RECOVERY_INTERVALS analysis intervals after the last drift ends; None without a drift."""
+    ends = [f.at_seconds + f.ramp_seconds for f in scenario.faults if f.kind == "drift"]
+    if not ends:
+        return None
+    return max(ends) + RECOVERY_INTERVALS * scenario.serving.speculation_health.interval_seconds
+
+
+def best_after_drift(scenario: Scenario) -> Scenario | None:
+    """The fleet the drifted traffic is best served by, to compare with: the same serving running its fallback's
+    speculator (else plain decoding) from the start, so no drift touches it. None when there is neither."""
+    fallback = scenario.serving.speculation_health.fallback
+    speculator = fallback.speculator if fallback is not None else api.Speculator(method="none")
+    if getattr(scenario.performance, speculator.method) is None or speculator == scenario.serving.speculator:
+        return None
+    health = scenario.serving.speculation_health.model_copy(update={"fallback": None})
+    serving = scenario.serving.model_copy(update={"speculator": speculator, "speculation_health": health})
+    return scenario.model_copy(update={"serving": serving})
+
+
+def after(run: Run, scenario: Scenario, start: float) -> dict:
+    """SLO met and tokens per dollar over the ticks from `start` to the end."""
+    met = [ok for ok, record in zip(slo_met(run, scenario), run.ticks) if record.t > start]
+    cost, tokens = run.fleet.cost_usd(start), run.fleet.generated_tokens(start)
+    return {"fromSeconds": start, "sloAttainment": round(sum(met) / len(met), 4) if met else 1.0,
+            "tokensPerDollar": round(tokens / cost, 1) if cost > 0 else None}
 
 
 def run_all(scenario: Scenario, seed: int, on_tick=None) -> tuple[dict, Run]:
@@ -188,6 +226,14 @@ def run_all(scenario: Scenario, seed: int, on_tick=None) -> tuple[dict, Run]:
     slo = effective_slo(scenario.serving, Profile(scenario.serving.profile, scenario.profile))
     result["baselines"] = {cls.name: summary(simulate(scenario, requests, seed, cls(scenario, stable, slo)), scenario)
                            for cls in BASELINES}
+    deadline, best = recovery_deadline(scenario), best_after_drift(scenario)
+    if deadline is not None:
+        result["afterDrift"] = after(main, scenario, deadline)
+        if best is not None:  # the same requests: their tokens per dollar compare directly
+            reference = after(simulate(best, requests, seed), best, deadline)
+            result["afterDrift"]["best"] = {"speculator": best.serving.speculator.method, **reference}
+            result["afterDrift"]["tokensPerDollarVsBest"] = round(
+                (result["afterDrift"]["tokensPerDollar"] or 0) / (reference["tokensPerDollar"] or 1), 4)
     return result, main
 
 
@@ -307,7 +353,21 @@ def across_seeds(scenario: Scenario, seeds: int, out=None) -> dict:
         "speculationDegradedAtSeconds": {"seeds": len(degraded), "min": min(degraded), "max": max(degraded)} if degraded else None,
         "baselineSloAttainment": {name: median_of([r["baselines"][name]["sloAttainment"] for r in results])
                                   for name in results[0]["baselines"]},
-    }
+    } | ({"afterDrift": after_drift_across(results)} if "afterDrift" in results[0] else {})
+
+
+def after_drift_across(results: list[dict]) -> dict:
+    """Over the seeds, from RECOVERY_INTERVALS after the drift: SLO met, tokens per dollar against the best fleet's."""
+    after = [r["afterDrift"] for r in results]
+    aggregate = {"fromSeconds": after[0]["fromSeconds"],
+                 "sloAttainment": {"min": min(a["sloAttainment"] for a in after),
+                                   "median": round(statistics.median(a["sloAttainment"] for a in after), 4)}}
+    if "best" in after[0]:
+        ratios = [a["tokensPerDollarVsBest"] for a in after]
+        aggregate["best"] = {"speculator": after[0]["best"]["speculator"],
+                             "sloAttainmentMin": min(a["best"]["sloAttainment"] for a in after)}
+        aggregate["tokensPerDollarVsBest"] = {"min": min(ratios), "median": round(statistics.median(ratios), 4)}
+    return aggregate
 
 
 def cmd_simulate(args) -> int:
