@@ -680,9 +680,15 @@ def test_the_operators_capacity_prior_file_is_a_performance_block(tmp_path):
 
     priors = capacity_priors(load_performance(good))
     assert set(priors) == {"eagle3", "dflash"}
-    # a request at concurrency 1 finds no other in flight; ms per token (p99 and mean alike), TTFT
-    assert priors["dflash"].points[0] == Point(0, 1000 / 230, 50, 1000 / 230)
+    # a request at concurrency 1 finds no other in flight; ms per token (p99 and mean alike), TTFT, at the
+    # acceptance length the table states (the capacity model rescales it to the revision's)
+    acceptance = document("diurnal-dflash")["performance"]["dflash"]["acceptanceLength"]
+    assert priors["dflash"].points[0] == Point(0, 1000 / 230, 50, 1000 / 230, acceptance)
     assert priors["dflash"].batch == 32  # no maxConcurrency: the curve's highest concurrency
+    unstated = document("diurnal-dflash")["performance"]
+    del unstated["dflash"]["acceptanceLength"]  # its default (1) is no measurement: nothing to rescale from
+    priors = capacity_priors(load_performance(write(tmp_path, unstated, "unstated.yaml")))
+    assert {p.acceptance_length for p in priors["dflash"].points} == {None}
     bad = write(tmp_path, {"dflash": {"curve": [{"concurrency": 1, "tokensPerSecond": 5, "ttftMs": 1}]}}, "bad.yaml")
     with pytest.raises(InputProblems) as caught:
         capacity_priors(load_performance(bad))
