@@ -49,7 +49,10 @@ Stability, as the HPA does it: recommendations are kept for the stabilisation wi
 goes to the lowest recommendation of the last scaleUpStabilizationSeconds (a spike must last), a
 scale down to the highest of the last scaleDownStabilizationSeconds, and only to a count that
 would also hold DOWN_TOLERANCE (10%) more demand; one decision moves at most double (or +4) up and
-half down. No data holds the current count.
+half down. Only recommendations sized for the same revisions count: when a canary starts or ends, the
+windows smooth the new fleet's measurements, not the old fleet's (a canary sized for the worse of two
+models would otherwise hold the promoted revision's count for the whole scale-down window), unless the
+planned demand is above the measured one by more than DOWN_TOLERANCE. No data holds the current count.
 """
 
 import datetime
@@ -385,8 +388,16 @@ def tick(
         history.append(api.DemandPoint(at=at, requests_per_second=measured.requests_per_second))
         points = [((parse_time(p.at) - now_s).total_seconds(), p.requests_per_second) for p in history]
         demand = planned(measured, points, spec.autoscaling.scale_up_stabilization_seconds + startup_seconds)
-    decision = decide(current, demand, capacities, slo, limits(spec, profile, canary), spec.autoscaling,
-                      [(r.at, r.replicas) for r in status.recommendations], now, missing)
+    # A recommendation sized for other revisions (before a canary started, or ended) is not one for this fleet:
+    # the stabilisation windows smooth measurements of the same revisions, not a change of them. While the
+    # demand rises beyond the scale-down's tolerance they all hold: a new revision's model, fitted at its
+    # canary's share, is read at more load than it measured, and a scale-down can wait.
+    revisions = sorted(set(deciding))
+    rising = demand is not None and demand.measured_requests_per_second is not None and \
+        demand.requests_per_second > demand.measured_requests_per_second * (1 + DOWN_TOLERANCE)
+    same = [(r.at, r.replicas) for r in status.recommendations if rising or r.revisions in ([], revisions)]
+    sized_for = {r.at: r.revisions for r in status.recommendations}  # kept as they were sized, this one for these
+    decision = decide(current, demand, capacities, slo, limits(spec, profile, canary), spec.autoscaling, same, now, missing)
     queueing = [f"{w.revision} queues {w.waiting_per_replica:.1f} of {w.in_flight_per_replica:.1f} requests per replica"
                 for w in windows if w.missing is None and saturated(w)]
     if queueing:  # say why the window's latencies did not move the capacity model
@@ -402,7 +413,8 @@ def tick(
         backlog_requests=measured.backlog if measured else None,
         predicted_p99_inter_token_latency_ms=decision.predicted_p99_inter_token_latency_ms,
         predicted_p99_time_to_first_token_ms=decision.predicted_p99_time_to_first_token_ms,
-        recommendations=[api.Recommendation(at=a, replicas=n) for a, n in decision.recommendations],
+        recommendations=[api.Recommendation(at=a, replicas=n, revisions=sized_for.get(a, revisions))
+                         for a, n in decision.recommendations],
         observations=sorted(kept, key=lambda o: (o.at, o.revision)),
         demand_history=history,
     )

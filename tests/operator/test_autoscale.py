@@ -286,6 +286,36 @@ def test_scale_down_waits_for_its_window():
     assert after.replicas < busy.replicas
 
 
+def test_recommendations_sized_for_other_revisions_do_not_hold_the_count_unless_demand_rises():
+    """The stabilisation windows smooth measurements of the same revisions. A canary's recommendations, sized for
+    the worse of two revisions' models, say nothing of the promoted revision alone: after the promotion its own
+    recommendation decides at once (still at most halving per decision); while the same revisions decide, the
+    scale-down window holds as before, and on a demand rising past the scale-down's tolerance all of them hold."""
+    spec, profile = autoscaled_serving()
+    spec.autoscaling.scale_down_stabilization_seconds = 300
+    # 1 request/s of 100 tokens at 12 ms per token on 8 replicas: 0.15 in flight per replica, one replica is plenty
+    window = Window("new", 30, 8, in_flight_per_replica=0.15, p99_inter_token_latency_ms=12.0, generated_tokens=3000,
+                    tokens_per_second=100, finished_requests=30)
+    prior, later = {"new": Prior(LINEAR)}, T0 + datetime.timedelta(seconds=60)
+
+    def after(recommendation, history=()):
+        status = api.AutoscalingStatus(recommendations=[recommendation], demand_history=list(history))
+        return tick(status, [window], ["new"], prior, spec, profile, profile.slo, 8, False, later, 0)
+
+    canary = api.Recommendation(at=autoscale.timestamp(T0), replicas=8, revisions=["new", "old"])
+    promoted, decision = after(canary)
+    assert decision.replicas == 4  # down at once, by the step limit
+    assert [r.revisions for r in promoted.recommendations] == [["new"]]
+    _, held = after(canary.model_copy(update={"revisions": ["new"]}))
+    assert held.replicas == 8 and held.recommended < 8
+    assert after(canary.model_copy(update={"revisions": []}))[1].replicas == 8  # a status written before revisions
+    rising = [api.DemandPoint(at=autoscale.timestamp(later - datetime.timedelta(seconds=s)), requests_per_second=r)
+              for s, r in ((120, 0.2), (90, 0.4), (60, 0.6), (30, 0.8))]
+    status, on_the_rise = after(canary, rising)
+    assert on_the_rise.demand.measured_requests_per_second == 1.0 and on_the_rise.replicas == 8
+    assert [r.revisions for r in status.recommendations] == [["new", "old"], ["new"]]  # each as it was sized
+
+
 def test_noisy_measurements_at_steady_demand_do_not_flap():
     """30 minutes of ticks at a steady demand with 10% noise: the count settles and stays."""
     rng = random.Random(7)

@@ -51,6 +51,10 @@ def five_seeds_of(name: str) -> dict:
     return _five_seeds[name]
 
 
+def health_interval(doc: dict) -> float:
+    return doc["serving"]["speculationHealth"]["intervalSeconds"]
+
+
 def document(name: str) -> dict:
     return yaml.safe_load((SCENARIOS / f"{name}.yaml").read_text())
 
@@ -145,9 +149,9 @@ def test_a_degraded_drafter_falls_back_through_a_canary_and_then_decodes_with_th
     """The same drift with `fallback: {speculator: {method: none}}`: plain decoding is rolled out as a candidate once
     the drafter is degraded (judged at its batch while its queue drains: no interval lost waiting for a window
     without a queue), passes the canary against it and is promoted in every seed. The minutes lost at the drift are
-    the same for both fleets and the cost over the hour about the same (the canary runs both revisions for minutes;
-    docs/benchmarks.md); the fallback meets the SLO at least as often, and once it serves alone it decodes well
-    inside the SLO on no more replicas than the drafter needs at its edge."""
+    the same for both fleets; over the hour the fallback meets the SLO at least as often at less cost (more tokens
+    per dollar), and once it serves alone it decodes well inside the SLO on no more replicas than the drafter
+    needs at its edge."""
     kept, fell_back = five_seeds_of("drift-acceptance-falls"), five_seeds_of("drift-fallback")
     assert fell_back["decisions"] == {"Promoted": 5}
     degraded = fell_back["speculationDegradedAtSeconds"]
@@ -156,6 +160,9 @@ def test_a_degraded_drafter_falls_back_through_a_canary_and_then_decodes_with_th
     # degraded, the canary's pods started, its one step analysed, and the promotion's next tick
     assert fell_back["decisionAtSeconds"]["max"] <= degraded["max"] + startup + step.analysis_seconds + 2 * 60
     assert fell_back["sloAttainment"]["min"] >= kept["sloAttainment"]["min"]
+    assert fell_back["costVsStaticPeak"] < kept["costVsStaticPeak"]  # the same staticPeak: the drafter before the drift
+    assert fell_back["tokensPerDollarVsInFlight"] > kept["tokensPerDollarVsInFlight"]
+    assert fell_back["afterDrift"]["tokensPerDollarVsBest"]["median"] > kept["afterDrift"]["tokensPerDollarVsBest"]["median"]
     late = {}
     for name in ("drift-fallback", "drift-acceptance-falls"):
         scenario = scenario_module.Scenario.model_validate(document(name))
@@ -174,9 +181,9 @@ def test_a_gradual_drift_falls_back_once_the_drafter_is_slower_than_plain_decodi
     early, while it still decodes faster than plain decoding would: a fallback then would lose its canary and not
     be retried, leaving the drafter in place when it later costs more than it saves. The canary starts only after
     the ramp takes the drafter below plain decoding at some batch size, and is promoted in every seed; the fleet
-    meets its SLO more often over the hour than the same serving keeping its drafter, which costs less: the canary
-    runs both revisions for minutes, and in the quarter hour left the drafter needs no more replicas (its
-    capacity model follows its acceptance)."""
+    meets its SLO more often over the hour than the same serving keeping its drafter, and from three intervals after
+    the ramp it serves at 0.95 or more of the best tokens per dollar (plain decoding from the start) with the SLO
+    met throughout, at the median seed: the issue's recovery target, where keeping the drafter stays far below."""
     doc = document("drift-gradual")
     scenario = scenario_module.Scenario.model_validate(doc)
     (drift,) = scenario.faults
@@ -199,6 +206,10 @@ def test_a_gradual_drift_falls_back_once_the_drafter_is_slower_than_plain_decodi
     assert code == 0, err
     keeping = json.loads(out.strip().splitlines()[-1])
     assert fell_back["sloAttainment"]["median"] > keeping["sloAttainment"]["median"]
+    recovered, kept_after = fell_back["afterDrift"], keeping["afterDrift"]
+    assert recovered["fromSeconds"] == drift.at_seconds + drift.ramp_seconds + 3 * health_interval(doc)
+    assert recovered["sloAttainment"]["min"] >= 0.99 and recovered["tokensPerDollarVsBest"]["median"] >= 0.95
+    assert kept_after["tokensPerDollarVsBest"]["median"] < 0.85
 
 
 def test_after_a_drift_the_fleet_is_measured_against_the_fallback_run_from_the_start():

@@ -79,6 +79,8 @@ class MetricsStatus(Model):
 class Recommendation(Model):
     at: str
     replicas: int
+    revisions: list[str] = Field(
+        [], description="the revisions whose capacity models sized it; only those sized for the same revisions stabilise a decision")
 
 
 class CapacityObservation(Model):
