@@ -9,7 +9,7 @@ requests spent more than a tenth of their time queued beyond the engine's batch:
 the backlog, not the replica, and a backlog of hundreds per replica would drag the lines long
 after it is served, until its windows age out) together with a prior: points from a
 performance table (the operator's SPECSERVE_CAPACITY_PRIORS, a scenario's `performance` curves),
-each weighted as one window. A drafter's points are read at its latest acceptance length (at_acceptance), so a
+each weighted as one window. A drafter's points are read at its latest acceptance length (rescaled), so a
 window measured before its acceptance fell does not overstate the replica. The p99 lines are what
 the SLO is checked against; the mean line is
 the service time with which the autoscaler predicts c from an arrival rate (Little's law needs a
@@ -78,8 +78,8 @@ class Prior:
     points: Sequence[Point] = ()
     batch: float | None = None
 
-    def at_acceptance(self, acceptance_length: float | None) -> "Prior":
-        """The table's points measured at its acceptance length (when it says one)."""
+    def measured_at(self, acceptance_length: float | None) -> "Prior":
+        """The table's points, labelled with the acceptance length it measured them at (None: it says none)."""
         return Prior(tuple(replace(p, acceptance_length=acceptance_length) for p in self.points), self.batch)
 
 
@@ -104,7 +104,7 @@ class Capacity:
         return (self.ttft.at(in_flight_per_replica) + 2 * self.ttft.residual) * (1 + self.margin)
 
 
-def at_acceptance(point: Point, acceptance_length: float | None) -> Point:
+def rescaled(point: Point, acceptance_length: float | None) -> Point:
     """The point as if measured at `acceptance_length`. A speculative step costs what the load and the draft
     length make it cost, however much of the draft is accepted, and yields acceptance-length tokens on average,
     so the time per generated token scales as 1 / acceptance length: a window from before the drafter's
@@ -119,7 +119,7 @@ def at_acceptance(point: Point, acceptance_length: float | None) -> Point:
 def fit(measured: Sequence[Point], prior: Prior = Prior(), acceptance_length: float | None = None) -> Capacity | None:
     """The model from measured points and the prior's, their times per token at `acceptance_length` (the
     revision's latest; None leaves them as measured); None when there are no points."""
-    points = [at_acceptance(p, acceptance_length) for p in list(prior.points) + list(measured)]
+    points = [rescaled(p, acceptance_length) for p in list(prior.points) + list(measured)]
     if not points:
         return None
     itl = fit_line([p.in_flight_per_replica for p in points], [p.p99_inter_token_latency_ms for p in points])

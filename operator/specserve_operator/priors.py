@@ -17,9 +17,14 @@ def capacity_priors(performance: Performance) -> dict[str, Prior]:
     """The autoscaler's capacity prior per method (render.Settings.capacity_priors) from performance tables, at
     the acceptance length a drafter's table states (the capacity model rescales it to what the revision accepts)."""
     return {method: prior_points([row.model_dump(by_alias=True) for row in table.curve], table.max_concurrency)
-            .at_acceptance(table.acceptance_length if method != "none" and "acceptance_length" in table.model_fields_set
-                           else None)
+            .measured_at(stated_acceptance(method, table))
             for method in METHODS if (table := getattr(performance, method)) is not None}
+
+
+def stated_acceptance(method: str, table) -> float | None:
+    """The acceptance length a drafter's table was measured at; None for plain decoding, or where the table does
+    not say (its default, 1, is no measurement)."""
+    return table.acceptance_length if method != "none" and "acceptance_length" in table.model_fields_set else None
 
 
 def load_performance(path: Path) -> Performance:

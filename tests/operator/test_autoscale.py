@@ -159,7 +159,7 @@ def test_times_per_token_are_rescaled_to_the_acceptance_now():
     plain = Point(4, 20.0, None, 10.0)  # no drafts (method none): nothing to rescale
     assert fit([plain], acceptance_length=2.0).service.at(4) == pytest.approx(10.0)
     # a prior states the acceptance of its table
-    prior = Prior(LINEAR).at_acceptance(4.0)
+    prior = Prior(LINEAR).measured_at(4.0)
     assert fit([], prior, acceptance_length=2.0).service.at(8) == pytest.approx(2 * (8.0 + 0.8 * 8))
 
 

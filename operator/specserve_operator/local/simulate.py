@@ -163,14 +163,19 @@ def slo_met(run: Run, scenario: Scenario) -> list[bool]:
     return met
 
 
+def share(flags: list[bool]) -> float:
+    """The fraction of ticks that met the SLO (1 without ticks)."""
+    return round(sum(flags) / len(flags), 4) if flags else 1.0
+
+
 def summary(run: Run, scenario: Scenario) -> dict:
     fleet, met = run.fleet, slo_met(run, scenario)
     unlimited = [ok for ok, record in zip(met, run.ticks) if not record.budget_limited]
     cost, tokens = fleet.cost_usd(), fleet.generated_tokens()
     return {
-        "sloAttainment": round(sum(met) / len(met), 4) if met else 1.0,
+        "sloAttainment": share(met),
         # the ticks whose fleet the budget did not cap: what the autoscaler's choices alone answer for
-        "sloAttainmentWithinBudget": round(sum(unlimited) / len(unlimited), 4) if unlimited else 1.0,
+        "sloAttainmentWithinBudget": share(unlimited),
         "costUSD": round(cost, 4),
         "tokensPerDollar": round(tokens / cost, 1) if cost > 0 else None,
         "maxHourlyCostUSD": round(fleet.max_billed * fleet.pricing.replica_hourly_usd, 4),
@@ -209,7 +214,7 @@ def after(run: Run, scenario: Scenario, start: float) -> dict:
     """SLO met and tokens per dollar over the ticks from `start` to the end."""
     met = [ok for ok, record in zip(slo_met(run, scenario), run.ticks) if record.t > start]
     cost, tokens = run.fleet.cost_usd(start), run.fleet.generated_tokens(start)
-    return {"fromSeconds": start, "sloAttainment": round(sum(met) / len(met), 4) if met else 1.0,
+    return {"fromSeconds": start, "sloAttainment": share(met),
             "tokensPerDollar": round(tokens / cost, 1) if cost > 0 else None}
 
 
