@@ -1,4 +1,4 @@
-"""Canary rollouts through the real kopf operator against KMock.
+"""Canary rollouts, and the fallback a degraded drafter starts, through the real kopf operator against KMock.
 
 Measurements come from a scripted source (the real sources are tested against a real Prometheus
 in test_measure.py) and time from a clock the test advances, so a 60-second analysis interval
@@ -10,8 +10,10 @@ import copy
 import datetime
 
 import pytest
+from prometheus_client import REGISTRY
 
 from specserve_operator.measure import MeasurementError, Window
+from specserve_operator.rollout import timestamp
 
 from .conftest import SERVINGS_RESOURCE, running_operator
 from .test_kopf_kmock import DEPLOYMENTS, create, eventually, live, merge_patch, set_ready, status_of, with_uid
@@ -313,3 +315,73 @@ async def test_gateway_api_weights_follow_the_steps(operator, serving, profile, 
     assert stable_selector() == stable  # the promoted revision is not ready with all replicas yet
     await set_ready(operator, f"qwen3-8b-{canary}", 4)
     assert await eventually(lambda: stable_selector() == canary)
+
+
+def speculation_of(emulator):
+    return status_of(emulator).get("speculation") or {}
+
+
+def condition(emulator, kind):
+    return next((c for c in status_of(emulator).get("conditions") or [] if c["type"] == kind), {})
+
+
+async def test_a_degraded_drafter_falls_back_through_a_canary_and_says_so(operator, serving, profile, source, clock):
+    """A live DFlash revision whose acceptance falls: the operator measures it every interval, sets
+    SpeculationDegraded (condition, Event, gauge) once the fall is sustained, rolls the fallback out
+    as a canary candidate, and promotes it once it wins its analyses; plain decoding then serves."""
+    def degraded_gauge():
+        return REGISTRY.get_sample_value("specserve_operator_speculation_degraded", {"namespace": "team-a", "serving": "qwen3-8b"})
+
+    serving = copy.deepcopy(serving)
+    serving["spec"]["speculator"] = {"method": "dflash", "draftModel": "hf://z-lab/Qwen3-8B-DFlash-b16", "numSpeculativeTokens": 15}
+    serving["spec"]["replicas"] = {"min": 2, "max": 2}
+    serving["spec"]["speculationHealth"] = {"intervalSeconds": 30, "sustainedAnalyses": 2,
+                                            "fallback": {"speculator": {"method": "none"}}}
+    await create(operator, profile)
+    await create(operator, with_uid(serving))
+    drafter = (await eventually(lambda: live(operator, DEPLOYMENTS)))[0].removeprefix("qwen3-8b-")
+    source.by_revision[drafter] = GOOD  # acceptance 3.5
+    await set_ready(operator, f"qwen3-8b-{drafter}", 2)
+
+    async def analysed():
+        clock.advance(30)
+        assert await eventually(lambda: speculation_of(operator).get("lastEvaluationTime") == timestamp(clock.now))
+
+    while speculation_of(operator).get("baselineAnalyses", 0) < 3:  # the first analysis may have seen no ready pod
+        await analysed()
+    assert speculation_of(operator)["baselineAcceptanceLength"] == pytest.approx(3.5)
+    assert condition(operator, "SpeculationDegraded")["status"] == "False"
+
+    source.by_revision[drafter] = {**GOOD, "acceptance_length": 1.4, "tokens_per_second": 150.0, "p99_inter_token_latency_ms": 45.0}
+    await analysed()  # one degraded analysis is not a sustained fall
+    assert speculation_of(operator)["degradedAnalyses"] == 1
+    assert condition(operator, "SpeculationDegraded")["reason"] == "NotSustained"
+    assert not status_of(operator).get("fallback")
+    await analysed()
+    assert await eventually(lambda: condition(operator, "SpeculationDegraded").get("status") == "True")
+    assert "acceptanceRatio: 0.40 < 0.8 (acceptance length 1.40, baseline 3.50)" in condition(operator, "SpeculationDegraded")["message"]
+    assert degraded_gauge() == 1
+    assert any("2 degraded analyses in a row" in m for m in await eventually(lambda: events(operator, "SpeculationDegraded")))
+    assert await eventually(lambda: events(operator, "FallbackStarted"))
+
+    fallback = await eventually(lambda: canary_field(operator, "revision"))
+    config = operator.objects["v1/configmaps", "team-a", f"qwen3-8b-{fallback}"]["data"]
+    assert "method: none" in next(iter(config.values()))
+    assert status_of(operator)["fallback"]["fromRevision"] == drafter
+    source.by_revision[fallback] = {**GOOD, "acceptance_length": None, "tokens_per_second": 200.0, "p99_inter_token_latency_ms": 25.0}
+    await set_ready(operator, f"qwen3-8b-{fallback}", 1)
+    assert await eventually(lambda: [deployment(operator, r)["spec"]["replicas"] for r in (drafter, fallback)] == [1, 1])
+    await set_ready(operator, f"qwen3-8b-{drafter}", 1)
+    for passed in (1, 2):  # the fallback's canary: 50% for 120 s, an analysis each 60 s
+        clock.advance(60)
+        assert await eventually(lambda: canary_field(operator, "passedChecks") == passed or
+                                (status_of(operator).get("lastRollout") or {}).get("outcome") == "Promoted")
+    assert await eventually(lambda: (status_of(operator).get("lastRollout") or {}).get("outcome") == "Promoted")
+    await set_ready(operator, f"qwen3-8b-{fallback}", 2)
+    assert await eventually(lambda: live(operator, DEPLOYMENTS) == [f"qwen3-8b-{fallback}"])
+    assert await eventually(lambda: status_of(operator).get("phase") == "Serving")
+    assert status_of(operator)["stable"]["revision"] == fallback
+    clock.advance(30)  # plain decoding has no speculation to judge: the condition clears, and the gauge with it
+    assert await eventually(lambda: condition(operator, "SpeculationDegraded").get("reason") == "NotSpeculating")
+    assert condition(operator, "SpeculationDegraded")["status"] == "False"
+    assert degraded_gauge() == 0

@@ -157,7 +157,7 @@ class OperatorChange(Model):
     """A candidate the operator rolls out itself (a fallback, a draft-length schedule): it holds while the spec keeps
     this generation; any change of the spec ends it."""
 
-    generation: int | None = Field(description="metadata.generation of the spec it was started for")
+    generation: int | None = Field(None, description="metadata.generation of the spec it was started for")
     from_revision: str = Field(description="the live revision it replaces")
     at: str
 
