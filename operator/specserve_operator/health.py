@@ -86,7 +86,8 @@ def assess(previous: api.SpeculationStatus | None, revision: str, window: Window
     per_replica = window.tokens_per_second / window.ready_replicas if window.tokens_per_second and window.ready_replicas else None
     analysis = api.SpeculationAnalysis(
         at=at, verdict=verdict, acceptance_length=acceptance, acceptance_ratio=ratio, speedup=speedup,
-        in_flight_per_replica=load, tokens_per_second_per_replica=per_replica, tokens_per_dollar=window.tokens_per_dollar,
+        in_flight_per_replica=load, tokens_per_second_per_replica=per_replica, goodput_per_replica=window.goodput_per_replica,
+        tokens_per_dollar=window.tokens_per_dollar,
         reasons=reasons)
     # An Inconclusive analysis keeps the count: a hole in the evidence, as in a canary (rollout.decide).
     degraded_analyses = {"Degraded": previous.degraded_analyses + 1, "Healthy": 0}.get(verdict, previous.degraded_analyses)

@@ -70,6 +70,9 @@ DESIRED = Gauge("specserve_operator_desired_replicas", "Replicas the autoscaler 
 TOKENS_PER_DOLLAR = Gauge("specserve_operator_tokens_per_dollar",
                           "Generated tokens per dollar of the serving's replicas over the last window (status.metrics)",
                           ["namespace", "serving"])
+GOODPUT = Gauge("specserve_operator_goodput_tokens_per_second",
+                "Generated tokens per second served within the SLO over the last autoscaling window (status.metrics)",
+                ["namespace", "serving"])
 SPECULATION_DEGRADED = Gauge("specserve_operator_speculation_degraded",
                              "1 while the live revision's speculation no longer pays (condition SpeculationDegraded)", ["namespace", "serving"])
 ACCEPTANCE_RATIO = Gauge("specserve_operator_acceptance_ratio",
@@ -172,8 +175,9 @@ def publish_status(namespace: str, name: str, status: dict, slo: api.Slo | None)
     STEP.labels(namespace, name).set(canary["step"] if canary else -1)
     if status.get("autoscaling"):
         DESIRED.labels(namespace, name).set(status["autoscaling"].get("desiredReplicas") or 0)
-    if (status.get("metrics") or {}).get("tokensPerDollar") is not None:
-        TOKENS_PER_DOLLAR.labels(namespace, name).set(status["metrics"]["tokensPerDollar"])
+    for gauge, key in ((TOKENS_PER_DOLLAR, "tokensPerDollar"), (GOODPUT, "goodputTokensPerSecond")):
+        if (status.get("metrics") or {}).get(key) is not None:
+            gauge.labels(namespace, name).set(status["metrics"][key])
     SPECULATION_DEGRADED.labels(namespace, name).set(condition_true(status, "SpeculationDegraded"))
     last = (status.get("speculation") or {}).get("lastAnalysis") or {}
     for gauge, key in ((ACCEPTANCE_RATIO, "acceptanceRatio"), (SPEEDUP, "speedup")):

@@ -29,8 +29,14 @@ Definitions, the same for both sources (increase = over the window, summed over 
                          scraping), and a scrape that times out on a busy pod drops a busy sample.
   waiting_per_replica    of those, the requests queued beyond the engine's batch, the same way:
                          increase(vllm:request_queue_time_seconds_sum) / window / ready replicas.
+  within_slo             the share of the generated tokens served within the SLO (the target's
+                         objectives): histogram_fraction of the inter-token gaps at the p99 ITL
+                         objective x that of the first tokens at the p99 TTFT objective. vLLM's
+                         histograms do not join a request's gaps to its first token, so the two
+                         shares are taken as independent. Goodput is tokens_per_second x it.
 `promql(target, seconds)` gives the exact queries PrometheusSource runs; `histogram_quantile` is
-PromQL's own, so both sources compute latency quantiles identically.
+PromQL's own, so both sources compute latency quantiles identically, and `histogram_fraction` is its
+inverse (Prometheus 2 has none for classic histograms: both sources read the buckets and call it).
 """
 
 import base64
@@ -70,6 +76,8 @@ class Target:
     revision: str
     ready_replicas: int
     pod_urls: tuple[str, ...] = ()  # http://IP:PORT of the ready pods (ScrapeSource only)
+    itl_objective_ms: float | None = None  # the SLO the window's goodput counts against (None: not judged)
+    ttft_objective_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -98,7 +106,15 @@ class Window:
     waiting_requests: float | None = None  # queued beyond the batch at the window's end, all replicas: the backlog
     hourly_cost_usd: float | None = None
     tokens_per_dollar: float | None = None
+    within_slo: float | None = None  # share of the generated tokens served within the target's SLO objectives
     missing: str | None = None  # set: no data, and why
+
+    @property
+    def goodput_per_replica(self) -> float | None:
+        """Tokens per second per ready replica served within the SLO (None: no objective, or no data)."""
+        if self.within_slo is None or self.tokens_per_second is None or not self.ready_replicas:
+            return None
+        return self.tokens_per_second * self.within_slo / self.ready_replicas
 
     @property
     def ms_per_token(self) -> float | None:
@@ -145,26 +161,12 @@ class MeasurementError(Exception):
     """
 
 
-def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
-    """The q-quantile of a classic histogram, exactly as PromQL's histogram_quantile computes it
-    (Prometheus 2.42, promql/quantile.go `bucketQuantile`); None where Prometheus gives NaN.
-
-    `buckets` are (upper bound `le`, cumulative count), +Inf included, in any order. Bounds that
-    occur twice are merged, and a count lower than the one below it is raised to it. The value
-    is interpolated linearly inside the bucket holding rank q * total, from 0 (or the bound
-    below) to its upper bound; in the +Inf bucket it is the highest finite bound, and in a first
-    bucket whose upper bound is <= 0 it is that bound.
-    """
-    if math.isnan(q):
-        return None
-    if q < 0:
-        return -math.inf
-    if q > 1:
-        return math.inf
-    if not buckets:
-        return None
+def _cumulative(buckets: list[tuple[float, float]]) -> list[list[float]] | None:
+    """A classic histogram's (upper bound, cumulative count) pairs as PromQL reads them: sorted, bounds that
+    occur twice merged, a count lower than the one below it raised to it (Prometheus' ensureMonotonic).
+    None without a +Inf bucket or without a finite one."""
     ordered = sorted(buckets, key=lambda bucket: bucket[0])
-    if ordered[-1][0] != math.inf:
+    if not ordered or ordered[-1][0] != math.inf:
         return None
     merged: list[list[float]] = []  # [upper bound, cumulative count], one per distinct bound
     for bound, count in ordered:
@@ -173,15 +175,31 @@ def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | 
         else:
             merged.append([bound, count])
     highest = merged[0][1]
-    for bucket in merged[1:]:  # Prometheus' ensureMonotonic
+    for bucket in merged[1:]:
         highest = max(highest, bucket[1])
         bucket[1] = highest
-    if len(merged) < 2:
+    return merged if len(merged) >= 2 else None
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """The q-quantile of a classic histogram, exactly as PromQL's histogram_quantile computes it
+    (Prometheus 2.42, promql/quantile.go `bucketQuantile`); None where Prometheus gives NaN.
+
+    `buckets` are (upper bound `le`, cumulative count), +Inf included, in any order (_cumulative).
+    The value is interpolated linearly inside the bucket holding rank q * total, from 0 (or the
+    bound below) to its upper bound; in the +Inf bucket it is the highest finite bound, and in a
+    first bucket whose upper bound is <= 0 it is that bound.
+    """
+    if math.isnan(q):
         return None
-    observations = merged[-1][1]
-    if observations == 0:
+    if q < 0:
+        return -math.inf
+    if q > 1:
+        return math.inf
+    merged = _cumulative(buckets)
+    if merged is None or merged[-1][1] == 0:
         return None
-    rank = q * observations
+    rank = q * merged[-1][1]
     b = next((i for i, (_, count) in enumerate(merged[:-1]) if count >= rank), len(merged) - 1)
     if b == len(merged) - 1:
         return merged[-2][0]
@@ -196,6 +214,37 @@ def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | 
         return None
     value = start + (end - start) * (rank / count)
     return None if math.isnan(value) else value
+
+
+def histogram_fraction(upper: float, buckets: list[tuple[float, float]]) -> float | None:
+    """The share of a classic histogram's observations at or below `upper`: histogram_quantile's inverse, with
+    the same linear interpolation inside a bucket (from 0, or the bound below). Past the highest finite bound it
+    is the share at that bound: the +Inf bucket has no width to interpolate in, so what lies beyond counts as
+    over. None without observations."""
+    merged = _cumulative(buckets)
+    if merged is None or merged[-1][1] == 0:
+        return None
+    total = merged[-1][1]
+    lower, below = 0.0, 0.0  # the bucket's lower bound, the observations at or below it
+    for bound, count in merged[:-1]:
+        if upper < bound:
+            if upper <= lower:
+                return below / total
+            return (below + (count - below) * (upper - lower) / (bound - lower)) / total
+        lower, below = bound, count
+    return below / total
+
+
+def within_slo(target: Target, itl_buckets: list[tuple[float, float]],
+               ttft_buckets: list[tuple[float, float]]) -> float | None:
+    """The share of the tokens served within the target's objectives (Window.within_slo): the product of the
+    shares of its inter-token gaps and of its first tokens within them. An objective whose histogram observed
+    nothing in the window is not judged; None when none is."""
+    shares = [histogram_fraction(objective_ms / 1000, buckets)
+              for objective_ms, buckets in ((target.itl_objective_ms, itl_buckets), (target.ttft_objective_ms, ttft_buckets))
+              if objective_ms is not None]
+    judged = [share for share in shares if share is not None]
+    return math.prod(judged) if judged else None
 
 
 # ----- the pure core: two scrapes of a revision's pods -> Window -----------------------------------
@@ -245,9 +294,8 @@ def window_between(before: Snapshot, after: Snapshot, target: Target, seconds: f
     def by_label(name: str) -> dict[str, float]:
         return {label: value for (sample, label), value in increase.items() if sample == name}
 
-    def p99_ms(histogram: str) -> float | None:
-        buckets = [(float(le), count) for le, count in by_label(histogram + "_bucket").items()]
-        return _ms(histogram_quantile(0.99, buckets))
+    def buckets(histogram: str) -> list[tuple[float, float]]:
+        return [(float(le), count) for le, count in by_label(histogram + "_bucket").items()]
 
     generated = total(GENERATION_TOKENS)
     reasons = by_label(REQUEST_SUCCESS)
@@ -268,8 +316,9 @@ def window_between(before: Snapshot, after: Snapshot, target: Target, seconds: f
         ready_replicas=target.ready_replicas,
         tokens_per_second=generated / seconds,
         generated_tokens=generated,
-        p99_inter_token_latency_ms=p99_ms(INTER_TOKEN_LATENCY),
-        p99_time_to_first_token_ms=p99_ms(TIME_TO_FIRST_TOKEN),
+        p99_inter_token_latency_ms=_ms(histogram_quantile(0.99, buckets(INTER_TOKEN_LATENCY))),
+        p99_time_to_first_token_ms=_ms(histogram_quantile(0.99, buckets(TIME_TO_FIRST_TOKEN))),
+        within_slo=within_slo(target, buckets(INTER_TOKEN_LATENCY), buckets(TIME_TO_FIRST_TOKEN)),
         acceptance_length=1 + total(ACCEPTED) / drafts if drafts else None,
         accepted_per_position=_per_position(by_label(ACCEPTED_PER_POSITION), drafts),
         finished_requests=finished,
@@ -380,6 +429,9 @@ def promql(target: Target, seconds: float) -> dict[str, str]:
     def p99(histogram: str) -> str:
         return f"histogram_quantile(0.99, sum by (le) (rate({histogram}_bucket{series}{w})))"
 
+    def buckets(histogram: str) -> str:
+        return f"sum by (le) (increase({histogram}_bucket{series}{w}))"
+
     def little(histogram: str) -> str:
         return f"sum(increase({histogram}_sum{series}{w})) / {window_seconds(seconds)} / {target.ready_replicas}"
 
@@ -389,6 +441,8 @@ def promql(target: Target, seconds: float) -> dict[str, str]:
         "generated_tokens": f"sum(increase({GENERATION_TOKENS}{series}{w}))",
         "p99_inter_token_latency": p99(INTER_TOKEN_LATENCY),
         "p99_time_to_first_token": p99(TIME_TO_FIRST_TOKEN),
+        "inter_token_latency_buckets": buckets(INTER_TOKEN_LATENCY),
+        "time_to_first_token_buckets": buckets(TIME_TO_FIRST_TOKEN),
         "acceptance_length": f"1 + sum(rate({ACCEPTED}{series}{w})) / sum(rate({DRAFTS}{series}{w}))",
         "drafts": f"sum(increase({DRAFTS}{series}{w}))",
         "accepted_per_position": f"sum by (position) (increase({ACCEPTED_PER_POSITION}{series}{w}))",
@@ -448,6 +502,10 @@ class PrometheusSource:
         accepted = {labels.get("position", ""): value for labels, value in self.query(queries["accepted_per_position"])}
         failed = self.value(queries["failed_requests"]) or 0.0
         in_system_change = self.value(queries["in_system_change"])
+        served_within = None
+        if target.itl_objective_ms is not None or target.ttft_objective_ms is not None:
+            served_within = within_slo(target, self.buckets(queries["inter_token_latency_buckets"]),
+                                       self.buckets(queries["time_to_first_token_buckets"]))
         return Window(
             revision=target.revision,
             seconds=float(w),
@@ -456,6 +514,7 @@ class PrometheusSource:
             generated_tokens=numbers["generated_tokens"],
             p99_inter_token_latency_ms=_ms(self.value(queries["p99_inter_token_latency"])),
             p99_time_to_first_token_ms=_ms(self.value(queries["p99_time_to_first_token"])),
+            within_slo=served_within,
             acceptance_length=self.value(queries["acceptance_length"]) if drafts else None,
             accepted_per_position=_per_position(accepted, drafts or 0.0),
             finished_requests=finished,
@@ -473,6 +532,10 @@ class PrometheusSource:
             return None
         value = samples[0][1]
         return value if math.isfinite(value) else None
+
+    def buckets(self, query: str) -> list[tuple[float, float]]:
+        """A histogram's (le, count) pairs from a `sum by (le)` query."""
+        return [(float(labels["le"]), value) for labels, value in self.query(query) if "le" in labels]
 
     def query(self, query: str) -> list[tuple[dict[str, str], float]]:
         """An instant query at now: (labels, value) per series of the resulting vector."""

@@ -124,15 +124,17 @@ def _measure(cluster: Cluster, source, serving: Serving, profile: Profile, revis
              deployments: dict[str, dict], seconds: float) -> tuple[list[Window], str | None]:
     accelerator = profile.spec.accelerator
     pricing = Pricing(accelerator.count, accelerator.price_per_hour_usd)
+    slo = effective_slo(serving.spec, profile)
     windows = []
     for revision in revisions_:
         ready = ready_replicas(deployments.get(f"{serving.name}-{revision}"))
-        target = Target(serving.namespace, serving.name, revision, ready)
+        target = Target(serving.namespace, serving.name, revision, ready, itl_objective_ms=slo.p99_inter_token_latency_ms,
+                        ttft_objective_ms=slo.p99_time_to_first_token_ms)
         if not ready:
             windows.append(Window.no_data(target, seconds, "no ready replicas"))
             continue
         if isinstance(source, ScrapeSource):
-            target = Target(serving.namespace, serving.name, revision, ready, pod_urls(cluster, serving, revision))
+            target = replace(target, pod_urls=pod_urls(cluster, serving, revision))
         try:
             windows.append(source.measure(target, seconds).priced(pricing))
         except MeasurementError as exc:
@@ -162,8 +164,11 @@ def fleet_metrics(windows: list[Window]) -> dict | None:
     tokens = sum(w.tokens_per_second or 0 for w in measured)
     hourly = sum(w.hourly_cost_usd or 0 for w in measured)
     accepted = [w for w in measured if w.acceptance_length is not None]
+    judged = [w for w in measured if w.within_slo is not None]
     metrics = {
         "tokensPerSecond": tokens,
+        # tokens/s served within the SLO; only when every revision's window could judge it
+        "goodputTokensPerSecond": sum(w.tokens_per_second * w.within_slo for w in judged) if len(judged) == len(measured) else None,
         "p99InterTokenLatencyMs": max((w.p99_inter_token_latency_ms for w in measured if w.p99_inter_token_latency_ms is not None), default=None),
         "p99TimeToFirstTokenMs": max((w.p99_time_to_first_token_ms for w in measured if w.p99_time_to_first_token_ms is not None), default=None),
         # acceptance length of the fleet: weighted by each revision's tokens

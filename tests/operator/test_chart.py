@@ -303,7 +303,7 @@ def test_the_grafana_dashboard_ships_for_grafana_s_sidecar_and_every_query_passe
     assert {"vllm:spec_decode_num_accepted_tokens_per_pos_total", "vllm:inter_token_latency_seconds_bucket",
             "vllm:time_to_first_token_seconds_bucket", "specserve_operator_tokens_per_dollar",
             "specserve_operator_desired_replicas", "specserve_operator_rollout_step",
-            "specserve_operator_speculation_degraded"} <= used
+            "specserve_operator_speculation_degraded", "specserve_operator_goodput_tokens_per_second"} <= used
     # Grafana substitutes its variables before Prometheus sees a query: as "All" does, with .*
     rules = [{"record": f"dashboard:query_{index}", "expr": re.sub(r"\$(tenant|namespace|serving)\b", ".*", expr)}
              for index, expr in enumerate(expressions)]

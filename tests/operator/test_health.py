@@ -55,6 +55,10 @@ def test_speculation_slower_than_plain_decoding_at_the_load_measured_degrades_at
     assert busy.last_analysis.reasons[1].startswith("speedup: 0.80x < 1x (plain decoding 20 ms per token at 15.00")
     light = run([window(3.0, ms_per_token=5.0, in_flight=1.0)], busy)  # plain: 8.8 ms
     assert light.last_analysis.verdict == "Healthy" and light.last_analysis.speedup == pytest.approx(8.8 / 5.0)
+    # the figures a platform team reads: tokens/s per replica and, of those, the goodput (served within the SLO)
+    judged = run([window(3.0, ms_per_token=5.0, in_flight=1.0, within_slo=0.9)], busy).last_analysis
+    assert judged.tokens_per_second_per_replica == pytest.approx(200.0)
+    assert judged.goodput_per_replica == pytest.approx(180.0)
     # Without a prior for plain decoding the speed is not judged: acceptance alone.
     assert not is_degraded(run([window(3.0, ms_per_token=25.0, in_flight=15.0)] * 3, status, plain=None), HEALTH)
 

@@ -14,6 +14,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -27,11 +28,13 @@ from specserve_operator.measure import (
     ScrapeSource,
     Snapshot,
     Target,
+    histogram_fraction,
     histogram_quantile,
     parse_metrics,
     promql,
     selector,
     window_between,
+    within_slo,
 )
 from specserve_runtime.metrics import Metrics
 
@@ -179,6 +182,37 @@ def test_quantile_in_a_first_bucket_at_or_below_zero_is_its_bound():
     assert histogram_quantile(0.25, [(1.0, 4), (-1.0, 2), (INF, 4)]) == -1.0
 
 
+def test_fraction_interpolates_inside_the_bucket_as_the_quantile_does():
+    assert histogram_fraction(0.02, BUCKETS) == pytest.approx(0.05)  # 2 of the first bucket's 10, from 0
+    assert histogram_fraction(0.1, BUCKETS) == pytest.approx(0.25)  # at a bound: exactly what it counts
+    assert histogram_fraction(0.15, BUCKETS) == pytest.approx(0.5)
+    assert histogram_fraction(0.5, list(reversed(BUCKETS))) == 1.0
+    assert histogram_fraction(-1.0, BUCKETS) == 0.0
+    for q in (0.05, 0.3, 0.5, 0.9, 0.99):
+        assert histogram_fraction(histogram_quantile(q, BUCKETS), BUCKETS) == pytest.approx(q)
+
+
+def test_fraction_beyond_the_highest_finite_bound_counts_the_inf_bucket_as_over():
+    buckets = [(0.1, 5), (0.2, 8), (INF, 10)]
+    assert histogram_fraction(0.2, buckets) == histogram_fraction(7.0, buckets) == pytest.approx(0.8)
+
+
+def test_fraction_of_nothing_is_none():
+    assert histogram_fraction(0.1, []) is None
+    assert histogram_fraction(0.1, [(0.1, 0), (INF, 0)]) is None
+    assert histogram_fraction(0.1, [(0.1, 3), (0.2, 5)]) is None  # no +Inf bucket
+
+
+def test_the_share_within_the_slo_multiplies_the_objectives_judged():
+    itl = [(0.025, 50), (0.05, 90), (0.1, 100), (INF, 100)]  # 90% of the gaps within 50 ms
+    ttft = [(0.5, 16), (1.0, 20), (INF, 20)]  # 80% of the first tokens within 500 ms
+    both = Target("team-a", "qwen", "abc123", 1, itl_objective_ms=50, ttft_objective_ms=500)
+    assert within_slo(both, itl, ttft) == pytest.approx(0.9 * 0.8)
+    assert within_slo(replace(both, ttft_objective_ms=None), itl, ttft) == pytest.approx(0.9)
+    assert within_slo(both, itl, [(0.5, 0), (INF, 0)]) == pytest.approx(0.9)  # no first token in the window
+    assert within_slo(replace(both, itl_objective_ms=None, ttft_objective_ms=None), itl, ttft) is None
+
+
 # ----- histogram_quantile against the real Prometheus ---------------------------------------------
 
 # Served as plain series `hist_bucket{case=..., le=...}`; Prometheus computes
@@ -247,6 +281,24 @@ def test_histogram_quantile_equals_prometheus(static_prometheus):
                 assert ours == pytest.approx(theirs, abs=1e-9), (case, q, ours, theirs)
             checked += 1
     assert checked == len(CASES) * len(QUANTILES)
+
+
+@pytest.mark.slow
+def test_histogram_fraction_inverts_prometheus_quantile_and_matches_its_bucket_ratios(static_prometheus):
+    checked = 0
+    for case in ("plain", "inf_heavy", "duplicate_bounds", "empty_first"):
+        buckets = [(float(le), float(count)) for le, count in CASES[case]]
+        for q in (0.1, 0.25, 0.5, 0.75, 0.9):
+            theirs = float(query(static_prometheus, f'histogram_quantile({q}, sum by (le) (hist_bucket{{case="{case}"}}))')
+                           [0]["value"][1])
+            if theirs < max(b for b, _ in buckets if b != INF):  # inside a finite bucket: the inverse holds
+                assert histogram_fraction(theirs, buckets) == pytest.approx(q), (case, q, theirs)
+                checked += 1
+        for le, _ in CASES[case][:-1] if case != "duplicate_bounds" else ():  # le="1" would miss le="1.0"
+            ratio = query(static_prometheus, f'sum(hist_bucket{{case="{case}",le="{le}"}}) / '
+                                             f'sum(hist_bucket{{case="{case}",le="+Inf"}})')
+            assert histogram_fraction(float(le), buckets) == pytest.approx(float(ratio[0]["value"][1])), (case, le)
+    assert checked >= 12
 
 
 @pytest.mark.slow
@@ -340,6 +392,11 @@ def test_window_between_two_scrapes_of_two_pods():
     # 4 first tokens in (0.04, 0.06]: rank 3.96 of 4
     assert window.p99_time_to_first_token_ms == pytest.approx(1000 * (0.04 + 0.02 * 3.96 / 4))
     assert window.hourly_cost_usd is None  # callers price it
+    assert window.within_slo is None and window.goodput_per_replica is None  # no objectives to judge against
+    # the window's 100 new gaps, 99 at or below 50 ms; its 4 first tokens all within 100 ms
+    judged = window_between(before, after, replace(target(), itl_objective_ms=50, ttft_objective_ms=100), 10.0)
+    assert judged.within_slo == pytest.approx(99 / 100)
+    assert judged.goodput_per_replica == pytest.approx(30.0 * 0.99 / 2)
 
 
 def test_window_without_drafts_has_no_acceptance_length():
@@ -467,10 +524,11 @@ def canned():
         parsed = urllib.parse.urlsplit(path)
         assert parsed.path == "/api/v1/query"
         query_text = urllib.parse.parse_qs(parsed.query)["query"][0]
+        server.requested.append(query_text)
         return answers.get(query_text, (200, vector()))
 
     server = LocalServer(answer)
-    server.answers = answers
+    server.answers, server.requested = answers, []
     yield server
     server.close()
 
@@ -516,6 +574,8 @@ def test_prometheus_source_reads_each_number(canned):
     }.items()})
     window = PrometheusSource(canned.url).measure(t, 60)
     assert window.missing is None
+    assert window.within_slo is None  # no objectives: the buckets are not asked for
+    assert queries["inter_token_latency_buckets"] not in canned.requested
     assert (window.tokens_per_second, window.generated_tokens, window.seconds) == (100, 6000, 60)
     assert window.ms_per_token == pytest.approx(1000 * 3.5 * 2 / 100)  # in the system per generated token
     assert window.p99_inter_token_latency_ms == pytest.approx(50)
@@ -526,6 +586,12 @@ def test_prometheus_source_reads_each_number(canned):
     assert window.waiting_per_replica == 0.25
     assert window.arrived_requests == 46  # a queue of 4 drained: 50 finished
     assert window.waiting_requests == 7
+
+    judged = replace(t, itl_objective_ms=50, ttft_objective_ms=1000)
+    canned.answers[queries["inter_token_latency_buckets"]] = (200, vector(
+        ({"le": "0.025"}, "800"), ({"le": "0.05"}, "950"), ({"le": "+Inf"}, "1000")))
+    # no first token in the window: the TTFT objective is not judged
+    assert PrometheusSource(canned.url).measure(judged, 60).within_slo == pytest.approx(0.95)
 
 
 def test_prometheus_source_too_few_samples_is_no_data(canned):
@@ -684,7 +750,8 @@ def test_prometheus_and_scrape_sources_agree_on_real_runtimes(tmp_path):
             settled = generated_on(bases[revision])
             wait_until(lambda: prometheus_settled(prometheus_url, revision, settled, flat_seconds), 60,
                        f"prometheus to see {revision} settle")
-        targets = {revision: Target(None, "demo", revision, 1, (bases[revision],)) for revision in ports}
+        targets = {revision: Target(None, "demo", revision, 1, (bases[revision],), itl_objective_ms=25, ttft_objective_ms=200)
+                   for revision in ports}
         scrape = ScrapeSource()
         for revision in ports:
             assert scrape.measure(targets[revision], 10).missing == "first scrape; a window needs two"
@@ -726,6 +793,8 @@ def test_prometheus_and_scrape_sources_agree_on_real_runtimes(tmp_path):
                     == pytest.approx(over_window(direct, direct.in_flight_per_replica), rel=0.3)), context
             assert via_prometheus.p99_inter_token_latency_ms == pytest.approx(direct.p99_inter_token_latency_ms,
                                                                               rel=0.1), context
+            assert direct.within_slo is not None, context  # goodput: the same buckets, read the same way
+            assert via_prometheus.within_slo == pytest.approx(direct.within_slo, abs=0.05), context
             assert direct.error_rate == via_prometheus.error_rate == 0, context
             assert direct.finished_requests == direct.arrived_requests == len(prompts), context
         (ar_direct, ar_prometheus), (eagle3_direct, eagle3_prometheus) = windows["a"], windows["b"]

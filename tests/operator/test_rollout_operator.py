@@ -36,10 +36,12 @@ class ScriptedSource:
         self.outage = False
         self.calls = 0
         self.measured: list[str] = []  # the revisions asked for, in order
+        self.targets = []
 
     def measure(self, target, seconds):
         self.calls += 1
         self.measured.append(target.revision)
+        self.targets.append(target)
         if self.outage:
             raise MeasurementError("Prometheus http://prometheus.monitoring:9090 unreachable (connection refused)")
         fields = self.by_revision.get(target.revision, STABLE)
@@ -273,7 +275,7 @@ async def test_the_autoscaler_sizes_the_serving_from_measurements(operator, serv
     # c = u / (1 - u) in flight: 1.36 at n = 2, p99 ITL 5 ms x 1.36 x (1 + 0.38 margin) = 9.4 ms,
     # over the 8 ms SLO; 0.62 at n = 3, 4.3 ms, within it.
     source.by_revision[name.removeprefix("qwen3-8b-")] = {**STABLE, "tokens_per_second": 500.0, "in_flight_per_replica": 4.0,
-                                                          "p99_inter_token_latency_ms": 20.0}
+                                                          "p99_inter_token_latency_ms": 20.0, "within_slo": 0.9}
     clock.advance(30)
     assert await eventually(lambda: (status_of(operator).get("autoscaling") or {}).get("desiredReplicas") == 3)
     assert await eventually(lambda: deployment(operator, name.removeprefix("qwen3-8b-"))["spec"]["replicas"] == 3)
@@ -282,6 +284,8 @@ async def test_the_autoscaler_sizes_the_serving_from_measurements(operator, serv
     assert "demand 1.33 req/s x 225 tokens (x1.2 headroom): 3 replicas predict p99 ITL 4.3ms" in scaling["reason"]
     assert scaling["observations"][-1]["msPerToken"] == pytest.approx(16.0)
     assert status_of(operator)["metrics"]["tokensPerSecond"] == 500.0
+    assert status_of(operator)["metrics"]["goodputTokensPerSecond"] == pytest.approx(450.0)  # 90% within the SLO
+    assert (source.targets[-1].itl_objective_ms, source.targets[-1].ttft_objective_ms) == (8, None)  # measured against it
     assert await eventually(lambda: any("1 -> 3 replicas" in m for m in events(operator, "Scaled")))
 
     source.outage = True

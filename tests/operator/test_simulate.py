@@ -599,6 +599,10 @@ def test_measured_windows_follow_the_curve_and_littles_law():
     assert window.p99_inter_token_latency_ms == pytest.approx(10, rel=0.2)  # lognormal noise, sigma 0.05
     assert window.acceptance_length == pytest.approx(2.5)  # decoded tokens over their verify steps
     assert fleet.window(revision, 60, 1200, missing="prometheus outage").missing == "prometheus outage"
+    assert window.within_slo is None  # no objectives asked for
+    # every token at 10 ms and no wait for the first: all within 20 ms / 100 ms, none within 5 ms
+    assert fleet.window(revision, 1000, 1200, itl_objective_ms=20, ttft_objective_ms=100).within_slo == 1.0
+    assert fleet.window(revision, 1000, 1200, itl_objective_ms=5).within_slo == 0.0
 
 
 def test_a_full_batch_queues_and_the_wait_counts_in_ttft():
@@ -618,6 +622,9 @@ def test_a_full_batch_queues_and_the_wait_counts_in_ttft():
     assert window.finished_requests / 100 == pytest.approx(4, rel=0.1)
     assert window.p99_time_to_first_token_ms > 10_000
     assert window.p99_inter_token_latency_ms == pytest.approx(10, rel=0.2)
+    # goodput: the first requests were served within a 1 s objective, none once the queue had grown
+    assert fleet.window(revision, 3, 3, ttft_objective_ms=1000).within_slo > 0
+    assert fleet.window(revision, 100, 200, ttft_objective_ms=1000).within_slo == 0.0
 
 
 # ---- bad input ----------------------------------------------------------------------------------

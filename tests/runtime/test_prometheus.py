@@ -105,7 +105,7 @@ def test_every_dashboard_query_answers_for_the_serving_it_selects(runtime_and_pr
 
     runtime, prometheus = runtime_and_prometheus
     publish_status(POD_LABELS["namespace"], POD_LABELS["serving"], {
-        "canary": None, "autoscaling": {"desiredReplicas": 2}, "metrics": {"tokensPerDollar": 1.5e6},
+        "canary": None, "autoscaling": {"desiredReplicas": 2}, "metrics": {"tokensPerDollar": 1.5e6, "goodputTokensPerSecond": 420.0},
         "conditions": [{"type": "SpeculationDegraded", "status": "False"}],
         "speculation": {"lastAnalysis": {"acceptanceRatio": 0.97, "speedup": 1.4}}},
         api.Slo(p99_inter_token_latency_ms=50, p99_time_to_first_token_ms=800))
@@ -134,6 +134,7 @@ def test_every_dashboard_query_answers_for_the_serving_it_selects(runtime_and_pr
     value = {title: float(result[0]["value"][1]) for title, result in answers.items()}
     assert {title.split(":")[0] for title, v in value.items() if "specserve_operator_slo" in title and v in (0.05, 0.8)} == {
         "p99 inter-token latency against the SLO", "p99 time to first token against the SLO"}  # the SLO lines
+    assert [v for title, v in value.items() if "specserve_operator_goodput" in title] == [420.0]
     value = {title.split(":")[0]: v for title, v in value.items()}
     assert value["Acceptance length (tokens per verify step)"] > 1
     assert value["Tokens per dollar (operator, last autoscaling window)"] == 1.5e6

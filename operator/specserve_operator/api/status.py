@@ -69,6 +69,8 @@ class RolloutRecord(Model):
 
 class MetricsStatus(Model):
     tokens_per_second: float | None = None
+    goodput_tokens_per_second: float | None = Field(None, description="of those, the tokens served within the SLO "
+                                                    "(measure.Window.within_slo)")
     p99_inter_token_latency_ms: float | None = None
     p99_time_to_first_token_ms: float | None = None
     acceptance_length: float | None = None
@@ -138,6 +140,7 @@ class SpeculationAnalysis(Model):
     speedup: float | None = Field(None, description="plain decoding's predicted time per token at the load measured / the measured")
     in_flight_per_replica: float | None = None
     tokens_per_second_per_replica: float | None = None
+    goodput_per_replica: float | None = Field(None, description="of those, the tokens per second served within the SLO")
     tokens_per_dollar: float | None = None
     reasons: list[str] = []
 

@@ -328,9 +328,11 @@ class Fleet:
                 total.waiting += b.waiting
         return total
 
-    def window(self, revision: str, seconds: float, now: float, missing: str | None = None) -> Window:
+    def window(self, revision: str, seconds: float, now: float, missing: str | None = None,
+               itl_objective_ms: float | None = None, ttft_objective_ms: float | None = None) -> Window:
         """One revision over the last `seconds` (whole seconds, as Prometheus' range selectors),
-        as measure.PrometheusSource would return it (the operator prices it)."""
+        as measure.PrometheusSource would return it (the operator prices it); its share within the SLO
+        is the product of its tokens' and its first tokens' shares within the objectives given."""
         ready = self.ready_count(revision)
         seconds = max(1, round(seconds))
         target = Target(None, SERVING, revision, ready)
@@ -350,6 +352,7 @@ class Fleet:
             generated_tokens=b.tokens,
             p99_inter_token_latency_ms=None if itl is None else itl * self.measurement_noise(),
             p99_time_to_first_token_ms=None if ttft is None else 1000 * ttft * self.measurement_noise(),
+            within_slo=within_objectives(b, itl_objective_ms, ttft_objective_ms),
             acceptance_length=b.decoded / b.steps if b.steps else None,
             finished_requests=float(b.finished),
             arrived_requests=float(b.arrivals),
@@ -384,3 +387,14 @@ class Fleet:
 
     def failed_requests(self) -> int:
         return sum(b.errors for row in self.bins.values() for b in row if b is not None) + sum(self.rejected)
+
+
+def within_objectives(b: Bin, itl_objective_ms: float | None, ttft_objective_ms: float | None) -> float | None:
+    """measure.within_slo from the simulated requests themselves: the share of the tokens generated within the
+    ITL objective times the share of first tokens within the TTFT objective; None when neither is judged."""
+    shares = []
+    if itl_objective_ms is not None and b.itl:
+        shares.append(sum(tokens for speed, tokens in b.itl.items() if 1000.0 / speed <= itl_objective_ms) / sum(b.itl.values()))
+    if ttft_objective_ms is not None and b.ttfts:
+        shares.append(sum(1 for ttft in b.ttfts if 1000 * ttft <= ttft_objective_ms) / len(b.ttfts))
+    return math.prod(shares) if shares else None

@@ -146,7 +146,8 @@ class SimulatedPrometheus:
     def measure(self, target: Target, seconds: float) -> Window:
         if self.outage:
             raise MeasurementError("Prometheus unreachable (simulated prometheusOutage)")
-        return self.fleet.window(target.revision, seconds, self.fleet.now)
+        return self.fleet.window(target.revision, seconds, self.fleet.now, itl_objective_ms=target.itl_objective_ms,
+                                 ttft_objective_ms=target.ttft_objective_ms)
 
 
 class SimulatedPods:
@@ -166,7 +167,8 @@ class SimulatedPods:
         self.previous[target.revision] = now
         if last is None:
             return Window.no_data(target, seconds, "first scrape; a window needs two")
-        return self.fleet.window(target.revision, now - last, now)
+        return self.fleet.window(target.revision, now - last, now, itl_objective_ms=target.itl_objective_ms,
+                                 ttft_objective_ms=target.ttft_objective_ms)
 
 
 class Operator:
