@@ -331,7 +331,8 @@ def condition(emulator, kind):
 
 async def test_a_degraded_drafter_falls_back_through_a_canary_and_says_so(operator, serving, profile, source, clock):
     """A live DFlash revision whose acceptance falls: the operator measures it every interval, sets
-    SpeculationDegraded (condition, Event, gauge) once the fall is sustained, rolls the fallback out
+    SpeculationDegraded (condition, Event, gauge) once the fall is sustained (a Prometheus outage meanwhile
+    neither counts nor clears), rolls the fallback out
     as a canary candidate, and promotes it once it wins its analyses; plain decoding then serves."""
     def degraded_gauge():
         return REGISTRY.get_sample_value("specserve_operator_speculation_degraded", {"namespace": "team-a", "serving": "qwen3-8b"})
@@ -361,6 +362,12 @@ async def test_a_degraded_drafter_falls_back_through_a_canary_and_says_so(operat
     assert speculation_of(operator)["degradedAnalyses"] == 1
     assert condition(operator, "SpeculationDegraded")["reason"] == "NotSustained"
     assert not status_of(operator).get("fallback")
+    source.outage = True  # Prometheus down: the analysis holds, and neither counts nor clears
+    for _ in range(3):
+        await analysed()
+        assert speculation_of(operator)["lastAnalysis"]["verdict"] == "Inconclusive"
+    assert speculation_of(operator)["degradedAnalyses"] == 1 and not status_of(operator).get("fallback")
+    source.outage = False
     await analysed()
     assert await eventually(lambda: condition(operator, "SpeculationDegraded").get("status") == "True")
     assert "acceptanceRatio: 0.40 < 0.8 (acceptance length 1.40, baseline 3.50)" in condition(operator, "SpeculationDegraded")["message"]
