@@ -329,6 +329,34 @@ def condition(emulator, kind):
     return next((c for c in status_of(emulator).get("conditions") or [] if c["type"] == kind), {})
 
 
+DEGRADED = {**GOOD, "acceptance_length": 1.4, "tokens_per_second": 150.0, "p99_inter_token_latency_ms": 45.0}
+
+
+async def analysed(emulator, clock):
+    """One more interval (30 s) of the live revision's continuous analysis."""
+    clock.advance(30)
+    assert await eventually(lambda: speculation_of(emulator).get("lastEvaluationTime") == timestamp(clock.now))
+
+
+async def serve_drafter_with_a_baseline(emulator, serving, profile, source, clock) -> str:
+    """A DFlash serving of 2 replicas whose fallback is plain decoding, live with its acceptance baseline (3.5)."""
+    serving = copy.deepcopy(serving)
+    serving["spec"]["speculator"] = {"method": "dflash", "draftModel": "hf://z-lab/Qwen3-8B-DFlash-b16", "numSpeculativeTokens": 15}
+    serving["spec"]["replicas"] = {"min": 2, "max": 2}
+    serving["spec"]["speculationHealth"] = {"intervalSeconds": 30, "sustainedAnalyses": 2,
+                                            "fallback": {"speculator": {"method": "none"}}}
+    await create(emulator, profile)
+    await create(emulator, with_uid(serving))
+    drafter = (await eventually(lambda: live(emulator, DEPLOYMENTS)))[0].removeprefix("qwen3-8b-")
+    source.by_revision[drafter] = GOOD
+    await set_ready(emulator, f"qwen3-8b-{drafter}", 2)
+    while speculation_of(emulator).get("baselineAnalyses", 0) < 3:  # the first analysis may have seen no ready pod
+        await analysed(emulator, clock)
+    assert speculation_of(emulator)["baselineAcceptanceLength"] == pytest.approx(3.5)
+    assert condition(emulator, "SpeculationDegraded")["status"] == "False"
+    return drafter
+
+
 async def test_a_degraded_drafter_falls_back_through_a_canary_and_says_so(operator, serving, profile, source, clock):
     """A live DFlash revision whose acceptance falls: the operator measures it every interval, sets
     SpeculationDegraded (condition, Event, gauge) once the fall is sustained (a Prometheus outage meanwhile
@@ -337,41 +365,22 @@ async def test_a_degraded_drafter_falls_back_through_a_canary_and_says_so(operat
     def degraded_gauge():
         return REGISTRY.get_sample_value("specserve_operator_speculation_degraded", {"namespace": "team-a", "serving": "qwen3-8b"})
 
-    serving = copy.deepcopy(serving)
-    serving["spec"]["speculator"] = {"method": "dflash", "draftModel": "hf://z-lab/Qwen3-8B-DFlash-b16", "numSpeculativeTokens": 15}
-    serving["spec"]["replicas"] = {"min": 2, "max": 2}
-    serving["spec"]["speculationHealth"] = {"intervalSeconds": 30, "sustainedAnalyses": 2,
-                                            "fallback": {"speculator": {"method": "none"}}}
-    await create(operator, profile)
-    await create(operator, with_uid(serving))
-    drafter = (await eventually(lambda: live(operator, DEPLOYMENTS)))[0].removeprefix("qwen3-8b-")
-    source.by_revision[drafter] = GOOD  # acceptance 3.5
-    await set_ready(operator, f"qwen3-8b-{drafter}", 2)
-
-    async def analysed():
-        clock.advance(30)
-        assert await eventually(lambda: speculation_of(operator).get("lastEvaluationTime") == timestamp(clock.now))
-
-    while speculation_of(operator).get("baselineAnalyses", 0) < 3:  # the first analysis may have seen no ready pod
-        await analysed()
-    assert speculation_of(operator)["baselineAcceptanceLength"] == pytest.approx(3.5)
-    assert condition(operator, "SpeculationDegraded")["status"] == "False"
-
-    source.by_revision[drafter] = {**GOOD, "acceptance_length": 1.4, "tokens_per_second": 150.0, "p99_inter_token_latency_ms": 45.0}
-    await analysed()  # one degraded analysis is not a sustained fall
+    drafter = await serve_drafter_with_a_baseline(operator, serving, profile, source, clock)
+    source.by_revision[drafter] = DEGRADED
+    await analysed(operator, clock)  # one degraded analysis is not a sustained fall
     assert speculation_of(operator)["degradedAnalyses"] == 1
     assert condition(operator, "SpeculationDegraded")["reason"] == "NotSustained"
     assert not status_of(operator).get("fallback")
     source.outage = True  # Prometheus down: the analysis holds, and neither counts nor clears
     for _ in range(3):
-        await analysed()
+        await analysed(operator, clock)
         assert speculation_of(operator)["lastAnalysis"]["verdict"] == "Inconclusive"
     assert speculation_of(operator)["degradedAnalyses"] == 1 and not status_of(operator).get("fallback")
     source.outage = False
-    await analysed()
+    await analysed(operator, clock)
     assert await eventually(lambda: condition(operator, "SpeculationDegraded").get("status") == "True")
     assert "acceptanceRatio: 0.40 < 0.8 (acceptance length 1.40, baseline 3.50)" in condition(operator, "SpeculationDegraded")["message"]
-    assert degraded_gauge() == 1
+    assert await eventually(lambda: degraded_gauge() == 1)  # set after the status is written
     assert any("2 degraded analyses in a row" in m for m in await eventually(lambda: events(operator, "SpeculationDegraded")))
     assert await eventually(lambda: events(operator, "FallbackStarted"))
 
@@ -395,4 +404,41 @@ async def test_a_degraded_drafter_falls_back_through_a_canary_and_says_so(operat
     clock.advance(30)  # plain decoding has no speculation to judge: the condition clears, and the gauge with it
     assert await eventually(lambda: condition(operator, "SpeculationDegraded").get("reason") == "NotSpeculating")
     assert condition(operator, "SpeculationDegraded")["status"] == "False"
-    assert degraded_gauge() == 0
+    assert await eventually(lambda: degraded_gauge() == 0)
+
+
+async def test_a_fallback_that_loses_its_canary_is_rolled_back_and_retried_twice_as_late(operator, serving, profile, source, clock):
+    """The fallback is a candidate like any other: worse than the degraded drafter, it is rolled back and the
+    drafter keeps serving; while the drafter still calls for it, it is retried, sustainedAnalyses x interval x 2
+    (120 s) after the loss."""
+    drafter = await serve_drafter_with_a_baseline(operator, serving, profile, source, clock)
+    source.by_revision[drafter] = DEGRADED
+    await analysed(operator, clock)
+    await analysed(operator, clock)
+    fallback = await eventually(lambda: canary_field(operator, "revision"))
+    source.by_revision[fallback] = {**GOOD, "acceptance_length": None, "error_rate": 0.05}  # fails its errorRate gate
+    await set_ready(operator, f"qwen3-8b-{fallback}", 1)
+    for failed in (1, 2):  # failureLimit 2
+        clock.advance(60)
+        assert await eventually(lambda: canary_field(operator, "failedChecks") == failed or
+                                (status_of(operator).get("lastRollout") or {}).get("outcome") == "Aborted")
+    lost = await eventually(lambda: status_of(operator).get("lastRollout"))
+    assert (lost["outcome"], lost["reason"]) == ("Aborted", "AnalysisFailed")
+    assert status_of(operator)["stable"]["revision"] == drafter
+    assert await eventually(lambda: deployment(operator, fallback)["spec"]["replicas"] == 0)
+    await set_ready(operator, f"qwen3-8b-{fallback}", 0)
+
+    def since_the_loss(at: str) -> float:
+        return (datetime.datetime.fromisoformat(at) - datetime.datetime.fromisoformat(lost["at"])).total_seconds()
+
+    # A reconcile decides a retry on the last analysis before it analyses again: once an analysis has followed,
+    # the one before it has been decided on. No analysis less than 120 s after the loss may retry.
+    await analysed(operator, clock)
+    while since_the_loss(speculation_of(operator)["lastAnalysis"]["at"]) < 120:
+        assert status_of(operator)["fallback"]["attempts"] == 1 and status_of(operator)["lastRollout"] == lost
+        await analysed(operator, clock)
+    assert await eventually(lambda: status_of(operator)["fallback"]["attempts"] == 2)
+    assert 120 <= since_the_loss(status_of(operator)["fallback"]["at"]) < 150
+    assert "rolling the fallback out again (attempt 2)" in (await eventually(lambda: events(operator, "FallbackRetried")))[0]
+    assert await eventually(lambda: canary_field(operator, "revision") == fallback and canary_field(operator, "step") == 0)
+    assert await eventually(lambda: deployment(operator, fallback)["spec"]["replicas"] == 1)
