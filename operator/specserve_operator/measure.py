@@ -298,6 +298,7 @@ def window_between(before: Snapshot, after: Snapshot, target: Target, seconds: f
         return [(float(le), count) for le, count in by_label(histogram + "_bucket").items()]
 
     generated = total(GENERATION_TOKENS)
+    itl, ttft = buckets(INTER_TOKEN_LATENCY), buckets(TIME_TO_FIRST_TOKEN)
     reasons = by_label(REQUEST_SUCCESS)
     finished = sum(reasons.values())
     if generated == 0 and finished == 0:
@@ -316,9 +317,9 @@ def window_between(before: Snapshot, after: Snapshot, target: Target, seconds: f
         ready_replicas=target.ready_replicas,
         tokens_per_second=generated / seconds,
         generated_tokens=generated,
-        p99_inter_token_latency_ms=_ms(histogram_quantile(0.99, buckets(INTER_TOKEN_LATENCY))),
-        p99_time_to_first_token_ms=_ms(histogram_quantile(0.99, buckets(TIME_TO_FIRST_TOKEN))),
-        within_slo=within_slo(target, buckets(INTER_TOKEN_LATENCY), buckets(TIME_TO_FIRST_TOKEN)),
+        p99_inter_token_latency_ms=_ms(histogram_quantile(0.99, itl)),
+        p99_time_to_first_token_ms=_ms(histogram_quantile(0.99, ttft)),
+        within_slo=within_slo(target, itl, ttft),
         acceptance_length=1 + total(ACCEPTED) / drafts if drafts else None,
         accepted_per_position=_per_position(by_label(ACCEPTED_PER_POSITION), drafts),
         finished_requests=finished,
