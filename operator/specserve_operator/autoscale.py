@@ -36,7 +36,9 @@ Backlog. Requests already queued beyond the batch (a saturated window's vllm:num
 end: a cold start under load, a burst) are work too, and sizing for the arrival rate alone would leave
 them to the headroom's spare capacity, minutes of p99 TTFT far past the SLO. So the count is sized for
 the demand plus the backlog drained within the SLO's time to first token (DEFAULT_DRAIN_SECONDS without
-one); the bounds and the budget cap it, and once the backlog is gone the demand alone sizes again.
+one); the bounds and the budget cap it, and once the backlog is gone the demand alone sizes again: the
+recommendations sized for it no longer hold the scale-down window (each says whether it was), as the replicas
+that drained a backlog say nothing of the demand.
 
 Bounds: spec.replicas.min / max, the profile's maxReplicas, and as many replicas as the profile's
 maxHourlyCostUSD pays for (never exceeded; when the SLO needs more, BudgetLimited with the numbers).
@@ -395,8 +397,11 @@ def tick(
     revisions = sorted(set(deciding))
     rising = demand is not None and demand.measured_requests_per_second is not None and \
         demand.requests_per_second > demand.measured_requests_per_second * (1 + DOWN_TOLERANCE)
-    same = [(r.at, r.replicas) for r in status.recommendations if rising or r.revisions in ([], revisions)]
-    sized_for = {r.at: r.revisions for r in status.recommendations}  # kept as they were sized, this one for these
+    # Nor is one sized for a backlog that is since served: the replicas that drained it are not the demand's.
+    served = measured is not None and not measured.backlog
+    same = [(r.at, r.replicas) for r in status.recommendations
+            if (rising or r.revisions in ([], revisions)) and not (r.backlog and served)]
+    sized_for = {r.at: r for r in status.recommendations}  # kept as they were sized, this one for these
     decision = decide(current, demand, capacities, slo, limits(spec, profile, canary), spec.autoscaling, same, now, missing)
     queueing = [f"{w.revision} queues {w.waiting_per_replica:.1f} of {w.in_flight_per_replica:.1f} requests per replica"
                 for w in windows if w.missing is None and saturated(w)]
@@ -413,7 +418,8 @@ def tick(
         backlog_requests=measured.backlog if measured else None,
         predicted_p99_inter_token_latency_ms=decision.predicted_p99_inter_token_latency_ms,
         predicted_p99_time_to_first_token_ms=decision.predicted_p99_time_to_first_token_ms,
-        recommendations=[api.Recommendation(at=a, replicas=n, revisions=sized_for.get(a, revisions))
+        recommendations=[sized_for.get(a) or api.Recommendation(at=a, replicas=n, revisions=revisions,
+                                                                 backlog=bool(measured and measured.backlog))
                          for a, n in decision.recommendations],
         observations=sorted(kept, key=lambda o: (o.at, o.revision)),
         demand_history=history,

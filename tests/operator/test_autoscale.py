@@ -316,6 +316,29 @@ def test_recommendations_sized_for_other_revisions_do_not_hold_the_count_unless_
     assert [r.revisions for r in status.recommendations] == [["new", "old"], ["new"]]  # each as it was sized
 
 
+def test_recommendations_sized_for_a_backlog_stop_holding_the_count_once_it_is_served():
+    """A backlog's replicas drain it; once a window measures none, the recommendations sized for it say nothing of
+    the demand and no longer hold the scale-down window (the count still at most halves per decision). While a
+    backlog is still measured they hold it, and each recommendation says whether it was sized for one."""
+    spec, profile = autoscaled_serving()
+    spec.autoscaling.scale_down_stabilization_seconds = 300
+    served = Window("new", 30, 8, in_flight_per_replica=0.15, p99_inter_token_latency_ms=12.0, generated_tokens=3000,
+                    tokens_per_second=100, finished_requests=30)
+    queued = replace(served, in_flight_per_replica=4.0, waiting_per_replica=2.0, waiting_requests=16)
+    prior, later = {"new": Prior(LINEAR)}, T0 + datetime.timedelta(seconds=60)
+    drained = api.Recommendation(at=autoscale.timestamp(T0), replicas=8, revisions=["new"], backlog=True)
+
+    def after(window, recommendation=drained):
+        status = api.AutoscalingStatus(recommendations=[recommendation])
+        return tick(status, [window], ["new"], prior, spec, profile, profile.slo, 8, False, later, 0)
+
+    status, decision = after(served)
+    assert decision.replicas == 4  # down at once, by the step limit
+    assert [(r.replicas, r.backlog) for r in status.recommendations] == [(decision.recommended, False)]  # dropped
+    assert after(served, drained.model_copy(update={"backlog": False}))[1].replicas == 8  # the demand's: it holds
+    status, still_queued = after(queued)
+    assert still_queued.replicas == 8 and status.recommendations[-1].backlog
+
 def test_noisy_measurements_at_steady_demand_do_not_flap():
     """30 minutes of ticks at a steady demand with 10% noise: the count settles and stays."""
     rng = random.Random(7)

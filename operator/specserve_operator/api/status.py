@@ -83,6 +83,8 @@ class Recommendation(Model):
     replicas: int
     revisions: list[str] = Field(
         [], description="the revisions whose capacity models sized it; only those sized for the same revisions stabilise a decision")
+    backlog: bool = Field(
+        False, description="sized for a backlog too; once a window measures none, it no longer stabilises a decision")
 
 
 class CapacityObservation(Model):
