@@ -1,10 +1,12 @@
 """Fixtures: example resources, and the operator running in the test's loop against KMock."""
 
 import asyncio
+import collections
 import contextlib
 import os
 import copy
 import logging
+import threading
 
 # Resync often in tests: the timers are what notice Deployments becoming ready and analyses falling due.
 os.environ.setdefault("SPECSERVE_RESYNC_SECONDS", "0.3")
@@ -161,3 +163,44 @@ async def eventually(check, timeout=10.0, interval=0.05):
         if asyncio.get_running_loop().time() > deadline:
             return check()
         await asyncio.sleep(interval)
+
+
+class Reconciles:
+    """Counts the operator's reconcile passes per serving, so that a check that something did not happen waits
+    for passes that could have done it, not for a guessed time."""
+
+    def __init__(self, monkeypatch):
+        import specserve_operator.main as main
+
+        self.started, self.finished = collections.Counter(), collections.Counter()
+        lock, blocking = threading.Lock(), main._reconcile_blocking
+
+        def counted(namespace, name, *args, **kwargs):
+            with lock:
+                self.started[name] += 1
+            try:
+                return blocking(namespace, name, *args, **kwargs)
+            finally:
+                with lock:
+                    self.finished[name] += 1
+
+        monkeypatch.setattr(main, "_reconcile_blocking", counted)  # the handlers look it up at each call
+
+    async def more(self, count: int = 3, name: str = "qwen3-8b") -> None:
+        """Until `count` passes over `name` that start from now on have finished (those already started are at
+        most `started`, so finishes beyond it are of later passes)."""
+        target = self.started[name] + count
+        assert await eventually(lambda: self.finished[name] >= target, timeout=30), f"{self.finished[name]} of {target}"
+
+    async def running(self, name: str = "qwen3-8b") -> None:
+        """Until a pass over `name` is in flight."""
+        assert await eventually(lambda: self.started[name] > self.finished[name], timeout=30), "no pass started"
+
+    async def idle(self, name: str = "qwen3-8b") -> None:
+        """Until every pass over `name` that started has finished."""
+        assert await eventually(lambda: self.finished[name] == self.started[name], timeout=30), "a pass never ended"
+
+
+@pytest.fixture
+def reconciles(monkeypatch):
+    return Reconciles(monkeypatch)

@@ -77,7 +77,7 @@ async def set_ready(emulator, name, replicas):
     await merge_patch(emulator, deployment, {"status": {"readyReplicas": replicas, "replicas": replicas}})
 
 
-async def test_spec_change_rolls_a_new_revision_and_removes_the_old_once_ready(operator, serving, profile):
+async def test_spec_change_rolls_a_new_revision_and_removes_the_old_once_ready(operator, serving, profile, reconciles):
     await create(operator, profile)
     await create(operator, with_uid(serving))
     first = (await eventually(lambda: live(operator, DEPLOYMENTS)))[0]
@@ -87,7 +87,7 @@ async def test_spec_change_rolls_a_new_revision_and_removes_the_old_once_ready(o
     await merge_patch(operator, serving, {"spec": {"speculator": {"method": "ngram", "draftModel": None, "numSpeculativeTokens": 4}}})
     both = await eventually(lambda: len(live(operator, DEPLOYMENTS)) == 2 and live(operator, DEPLOYMENTS))
     second = next(name for name in both if name != first)
-    await asyncio.sleep(1.0)  # several resyncs: the old revision keeps serving while the new is not ready
+    await reconciles.more()  # several passes: the old revision keeps serving while the new is not ready
     assert first in live(operator, DEPLOYMENTS)
     assert status_of(operator)["stable"]["revision"] == second.removeprefix("qwen3-8b-")
 
@@ -166,7 +166,8 @@ def slow_api(monkeypatch, seconds):
     monkeypatch.setattr(Cluster, "apply", slow_apply)
 
 
-async def test_a_resync_in_flight_during_a_spec_change_never_deletes_the_new_revision(operator, serving, profile, monkeypatch):
+async def test_a_resync_in_flight_during_a_spec_change_never_deletes_the_new_revision(operator, serving, profile, monkeypatch,
+                                                                                      reconciles):
     """A timer that fetched the serving before a spec change must not act on that stale body (it would
     delete the revision the change just created, as a fresh-machine run once showed)."""
     await create(operator, profile)
@@ -175,11 +176,11 @@ async def test_a_resync_in_flight_during_a_spec_change_never_deletes_the_new_rev
     await set_ready(operator, first, 2)
     await eventually(lambda: status_of(operator).get("phase") == "Serving")
     slow_api(monkeypatch, 0.05)
-    await asyncio.sleep(0.5)
+    await reconciles.running()
     await merge_patch(operator, serving, {"spec": {"speculator": {"method": "ngram", "draftModel": None, "numSpeculativeTokens": 4}}})
     both = await eventually(lambda: len(live(operator, DEPLOYMENTS)) == 2 and live(operator, DEPLOYMENTS))
     second = next(name for name in both if name != first)
-    await asyncio.sleep(1.5)  # several resyncs, each slow
+    await reconciles.more()  # several passes, each slow
     deleted = [r.url.path for r in requests_to(operator, "DELETE", DEPLOYMENTS)]
     assert deleted == [] and live(operator, DEPLOYMENTS) == sorted([first, second])
 
@@ -200,7 +201,7 @@ async def test_invalid_resource_is_reported_and_creates_nothing(operator, servin
     assert await eventually(warning_events), "a Warning event names the problem"
 
 
-async def test_invalid_update_leaves_what_serves_untouched(operator, serving, profile):
+async def test_invalid_update_leaves_what_serves_untouched(operator, serving, profile, reconciles):
     await create(operator, profile)
     await create(operator, with_uid(serving))
     deployment = (await eventually(lambda: live(operator, DEPLOYMENTS)))[0]
@@ -208,7 +209,7 @@ async def test_invalid_update_leaves_what_serves_untouched(operator, serving, pr
     await merge_patch(operator, serving, {"spec": {"replicas": {"min": 5, "max": 2}}})
     status = await eventually(lambda: status_of(operator).get("phase") == "Invalid" and status_of(operator))
     assert "spec.replicas.min: 5 must be <= max (2)" in str(status["conditions"])
-    await asyncio.sleep(0.8)
+    await reconciles.more()
     assert live(operator, DEPLOYMENTS) == [deployment]
     assert len(operator.objects[DEPLOYMENTS, "team-a", deployment].history) == versions_before
 
@@ -226,7 +227,7 @@ async def test_profile_change_re_renders_its_servings(operator, serving, profile
     assert pod_spec()["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
 
 
-async def test_operator_restart_creates_no_duplicates(emulator, serving, profile):
+async def test_operator_restart_creates_no_duplicates(emulator, serving, profile, reconciles):
     async with running_operator(emulator):
         await create(emulator, profile)
         await create(emulator, with_uid(serving))
@@ -234,7 +235,7 @@ async def test_operator_restart_creates_no_duplicates(emulator, serving, profile
     children_before = {k: live(emulator, k) for k in (DEPLOYMENTS, "v1/services", "v1/configmaps")}
     posts_before = len(requests_to(emulator, "POST", DEPLOYMENTS))
     async with running_operator(emulator):  # resumes the existing serving
-        await asyncio.sleep(1.0)
+        await reconciles.more()
     assert {k: live(emulator, k) for k in children_before} == children_before
     assert len(requests_to(emulator, "POST", DEPLOYMENTS)) == posts_before == 1
     assert requests_to(emulator, "PATCH", DEPLOYMENTS) == []  # nothing changed, so nothing was patched
@@ -250,17 +251,17 @@ async def test_delete_cleans_up_every_child(operator, serving, profile):
         assert await eventually(lambda: live(operator, resource) == []), resource
 
 
-async def test_delete_during_a_slow_resync_leaves_no_child_behind(operator, serving, profile, monkeypatch):
+async def test_delete_during_a_slow_resync_leaves_no_child_behind(operator, serving, profile, monkeypatch, reconciles):
     """A resync in flight when the serving is deleted must not re-apply children behind the cleanup."""
     await create(operator, profile)
     await create(operator, with_uid(serving))
     await eventually(lambda: live(operator, "networking.k8s.io/v1/networkpolicies"))
     slow_api(monkeypatch, 0.1)
-    await asyncio.sleep(0.5)
+    await reconciles.running()
     client = cluster_client(operator)
     await asyncio.to_thread(client.delete, "specserve.io/v1alpha1", "SpeculativeServing", "team-a", "qwen3-8b")
     assert await eventually(lambda: live(operator, SERVINGS_RESOURCE) == [])  # the finalizer was released
-    await asyncio.sleep(1.5)  # any reconcile still queued has run by now
+    await reconciles.idle()  # any pass in flight at the delete has ended
     for resource in (DEPLOYMENTS, "v1/services", "v1/configmaps", "policy/v1/poddisruptionbudgets", "networking.k8s.io/v1/networkpolicies"):
         assert live(operator, resource) == [], resource
 
@@ -300,7 +301,7 @@ async def test_every_api_call_is_allowed_by_the_cluster_role(operator, serving, 
     assert ("apps", "deployments", "create") in calls and ("", "events", "create") in calls
 
 
-async def test_servings_in_one_namespace_never_touch_each_others_children(operator, serving, profile):
+async def test_servings_in_one_namespace_never_touch_each_others_children(operator, serving, profile, reconciles):
     """KMock ignores label selectors, like a misbehaving API server would: children are still kept apart."""
     await create(operator, profile)
     other = copy.deepcopy(serving)
@@ -309,6 +310,7 @@ async def test_servings_in_one_namespace_never_touch_each_others_children(operat
     await create(operator, with_uid(other))
     expected = ["llama", "llama-canary", "llama-stable", "qwen3-8b", "qwen3-8b-canary", "qwen3-8b-stable"]
     assert await eventually(lambda: live(operator, "v1/services") == expected)
-    await asyncio.sleep(1.0)  # several resyncs of both
+    await reconciles.more(name="qwen3-8b")  # several passes over both
+    await reconciles.more(name="llama")
     assert live(operator, "v1/services") == expected
     assert requests_to(operator, "DELETE", "v1/services") == []

@@ -5,7 +5,6 @@ in test_measure.py) and time from a clock the test advances, so a 60-second anal
 takes as long as one timer tick.
 """
 
-import asyncio
 import copy
 import datetime
 
@@ -161,7 +160,7 @@ async def test_passing_analyses_walk_the_steps_and_promote_without_restarting_po
     assert events(operator, "Promoted")
 
 
-async def test_a_failing_candidate_rolls_back_within_the_failure_limit(operator, serving, profile, source, clock):
+async def test_a_failing_candidate_rolls_back_within_the_failure_limit(operator, serving, profile, source, clock, reconciles):
     stable, canary = await start_canary(operator, with_rollout(serving), profile, source, UNTRAINED)
 
     clock.advance(30)
@@ -182,7 +181,7 @@ async def test_a_failing_candidate_rolls_back_within_the_failure_limit(operator,
 
     clock.advance(600)  # no retry while the candidate is unchanged
     calls = source.calls
-    await asyncio.sleep(1.0)  # several ticks: the candidate is not measured again, nothing restarts
+    await reconciles.more()  # several passes: the candidate is not measured again, nothing restarts
     # The stable alone may be (its speculation health, once per minute of the clock).
     assert set(source.measured[calls:]) <= {stable} and status_of(operator)["lastRollout"]["outcome"] == "Aborted"
     assert deployment(operator, canary)["spec"]["replicas"] == 0
@@ -213,7 +212,8 @@ async def test_without_auto_promote_the_last_step_waits_for_the_promote_annotati
     assert await eventually(lambda: (status_of(operator).get("lastRollout") or {}).get("outcome") == "Promoted")
 
 
-async def test_an_operator_restart_mid_step_resumes_without_replaying_or_skipping(emulator, serving, profile, source, clock):
+async def test_an_operator_restart_mid_step_resumes_without_replaying_or_skipping(emulator, serving, profile, source, clock,
+                                                                                  reconciles):
     async with running_operator(emulator, source=source, clock=clock):
         stable, canary = await start_canary(emulator, with_rollout(serving), profile, source)
         clock.advance(30)
@@ -224,7 +224,7 @@ async def test_an_operator_restart_mid_step_resumes_without_replaying_or_skippin
     clock.advance(10)  # the new operator starts 10 s into step 1: nothing is due yet
     async with running_operator(emulator, source=source, clock=clock):
         calls = source.calls
-        await asyncio.sleep(1.0)  # several ticks of the new operator
+        await reconciles.more()  # several passes of the new operator
         assert source.calls == calls  # nothing was due: no interval replayed
         after = status_of(emulator)["canary"]
         assert (after["step"], after["stepStartedAt"], after["history"]) == (before["step"], before["stepStartedAt"], before["history"])
