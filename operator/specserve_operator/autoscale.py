@@ -398,7 +398,8 @@ def tick(
     rising = demand is not None and demand.measured_requests_per_second is not None and \
         demand.requests_per_second > demand.measured_requests_per_second * (1 + DOWN_TOLERANCE)
     # Nor is one sized for a backlog that is since served: the replicas that drained it are not the demand's.
-    served = measured is not None and not measured.backlog
+    backlog = bool(measured and measured.backlog)
+    served = measured is not None and not backlog
     same = [(r.at, r.replicas) for r in status.recommendations
             if (rising or r.revisions in ([], revisions)) and not (r.backlog and served)]
     sized_for = {r.at: r for r in status.recommendations}  # kept as they were sized, this one for these
@@ -418,8 +419,7 @@ def tick(
         backlog_requests=measured.backlog if measured else None,
         predicted_p99_inter_token_latency_ms=decision.predicted_p99_inter_token_latency_ms,
         predicted_p99_time_to_first_token_ms=decision.predicted_p99_time_to_first_token_ms,
-        recommendations=[sized_for.get(a) or api.Recommendation(at=a, replicas=n, revisions=revisions,
-                                                                 backlog=bool(measured and measured.backlog))
+        recommendations=[sized_for.get(a) or api.Recommendation(at=a, replicas=n, revisions=revisions, backlog=backlog)
                          for a, n in decision.recommendations],
         observations=sorted(kept, key=lambda o: (o.at, o.revision)),
         demand_history=history,

@@ -339,6 +339,7 @@ def test_recommendations_sized_for_a_backlog_stop_holding_the_count_once_it_is_s
     status, still_queued = after(queued)
     assert still_queued.replicas == 8 and status.recommendations[-1].backlog
 
+
 def test_noisy_measurements_at_steady_demand_do_not_flap():
     """30 minutes of ticks at a steady demand with 10% noise: the count settles and stays."""
     rng = random.Random(7)
