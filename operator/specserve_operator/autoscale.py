@@ -5,12 +5,13 @@ that maximises tokens per dollar is the smallest one whose predicted p99s meet t
 
 Demand is the measured arrival of work, not the requests in flight: requests arrived per second
 (all revisions) and tokens generated per request. Requests finished per second measure it
-while the replicas keep up; a saturated window (its requests queued beyond the batch for more
-than SATURATED_QUEUE_SHARE of their time) counts the larger of finished and arrived (finished +
-the growth of the requests in the system, measure.Window.arrived_requests): an overloaded
+while the replicas keep up; a window with a queue (its requests queued beyond the batch for more
+than SATURATED_QUEUE_SHARE of their time, or the window after one) counts what arrived (finished +
+the change of the requests in the system, measure.Window.arrived_requests): an overloaded
 replica's throughput caps what finishes and would hide the load it cannot keep up with, and a
-draining backlog finishes faster than requests now arrive but is still work to serve. (Not
-arrived always: its gauge ends add noise, and the larger of two noisy numbers is biased up.)
+draining queue finishes faster than requests now arrive, work the backlog below already counts
+(counted twice, and read as a rising trend, it would keep the replicas bought for it). (Not
+arrived always: its gauge ends add noise where nothing queues.)
 Requests in flight depend on the replica count (fewer replicas decode each request more slowly,
 so more of them are in flight at once), so they are what the model predicts, not what it takes
 as given. For each count n within the bounds, a
@@ -153,8 +154,9 @@ def drain_seconds(slo: api.Slo) -> float:
     return ttft / 1000 if ttft is not None else DEFAULT_DRAIN_SECONDS
 
 
-def demand_of(windows: list[Window], slo: api.Slo) -> tuple[Demand | None, str | None]:
-    """The serving's demand over its revisions' windows, or None and why. A revision without ready
+def demand_of(windows: list[Window], slo: api.Slo, after_backlog: bool = False) -> tuple[Demand | None, str | None]:
+    """The serving's demand over its revisions' windows, or None and why; `after_backlog`: the last
+    evaluation measured a backlog, so what finishes now still drains it. A revision without ready
     replicas (a canary's first pod starting) serves nothing, so the others' windows are the whole
     demand: holding the count until it is ready would leave an overloaded stable unscaled."""
     serving = [w for w in windows if w.ready_replicas > 0]
@@ -168,8 +170,8 @@ def demand_of(windows: list[Window], slo: api.Slo) -> tuple[Demand | None, str |
         return None, "no request finished in the window"
 
     def arrived(w: Window) -> float:
-        if saturated(w) and w.arrived_requests is not None:
-            return max(w.finished_requests or 0, w.arrived_requests)
+        if (saturated(w) or after_backlog) and w.arrived_requests is not None:
+            return w.arrived_requests
         return w.finished_requests or 0
 
     backlog = sum(w.waiting_requests or 0.0 for w in windows if saturated(w))
@@ -383,7 +385,7 @@ def tick(
         if model is not None:
             capacities.append(model)
 
-    measured, missing = demand_of(windows, slo)
+    measured, missing = demand_of(windows, slo, after_backlog)
     now_s, demand = parse_time(at), None
     history = [p for p in status.demand_history if (now_s - parse_time(p.at)).total_seconds() < TREND_SECONDS]
     if measured is not None:

@@ -96,15 +96,20 @@ def test_demand_is_the_arrived_requests_and_their_tokens_over_every_revision():
     growing = Window("a", 30, 2, generated_tokens=6000, finished_requests=60, arrived_requests=150,
                      in_flight_per_replica=40, waiting_per_replica=30)
     assert demand_of([growing], api.Slo()) == (Demand(5.0, 100.0), None)
-    # a backlog that drains: fewer arrive than finish, and holding what finishes keeps the replicas
-    # that drain it (what arrives now is not all the work there is)
+    # a backlog that drains: fewer arrive than finish; the arrivals are the demand, the queue is the
+    # backlog's term (what finishes would count it twice)
     draining = Window("a", 30, 2, generated_tokens=6000, finished_requests=60, arrived_requests=15,
-                      in_flight_per_replica=40, waiting_per_replica=30)
-    assert demand_of([draining], api.Slo()) == (Demand(2.0, 100.0), None)
+                      in_flight_per_replica=40, waiting_per_replica=30, waiting_requests=60)
+    assert demand_of([draining], api.Slo()) == (Demand(0.5, 100.0, backlog=60.0), None)
     # keeping up (no queue): what finished is the demand; the gauges' ends are noise
     keeping_up = Window("a", 30, 2, generated_tokens=6000, finished_requests=60, arrived_requests=66,
                         in_flight_per_replica=4, waiting_per_replica=0)
     assert demand_of([keeping_up], api.Slo()) == (Demand(2.0, 100.0), None)
+    # ... unless the window before measured a backlog: the last of it finishes in this one
+    drained = Window("a", 30, 2, generated_tokens=6000, finished_requests=60, arrived_requests=36,
+                     in_flight_per_replica=4, waiting_per_replica=0)
+    assert demand_of([drained], api.Slo(), after_backlog=True) == (Demand(1.2, 100.0), None)
+    assert demand_of([drained], api.Slo()) == (Demand(2.0, 100.0), None)
 
 
 def autoscaled_serving() -> tuple[api.SpeculativeServingSpec, api.ServingProfileSpec]:
@@ -338,6 +343,20 @@ def test_recommendations_sized_for_a_backlog_stop_holding_the_count_once_it_is_s
     assert after(served, drained.model_copy(update={"backlog": False}))[1].replicas == 8  # the demand's: it holds
     status, still_queued = after(queued)
     assert still_queued.replicas == 8 and status.recommendations[-1].backlog
+
+
+def test_the_window_after_a_backlog_sizes_for_what_arrived_not_for_the_drained_queue():
+    """The last of a backlog finishes in the window after it: counted as demand it would hold replicas (and read
+    as a rising trend) for work that is already served. The status says the last evaluation measured a backlog."""
+    spec, profile = autoscaled_serving()
+    window = Window("new", 30, 8, in_flight_per_replica=0.15, p99_inter_token_latency_ms=12.0, generated_tokens=3000,
+                    tokens_per_second=100, finished_requests=30, arrived_requests=6)
+
+    def demand(status):
+        return tick(status, [window], ["new"], {"new": Prior(LINEAR)}, spec, profile, profile.slo, 8, False, T0, 0)[1].demand
+
+    assert demand(api.AutoscalingStatus(backlog_requests=16)).requests_per_second == 0.2
+    assert demand(api.AutoscalingStatus()).requests_per_second == 1.0
 
 
 def test_noisy_measurements_at_steady_demand_do_not_flap():
