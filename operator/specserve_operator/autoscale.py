@@ -171,7 +171,7 @@ def demand_of(windows: list[Window], slo: api.Slo, after_backlog: bool = False) 
 
     def arrived(w: Window) -> float:
         if (saturated(w) or after_backlog) and w.arrived_requests is not None:
-            return w.arrived_requests
+            return max(w.arrived_requests, 0.0)  # a gauge's end lost with a pod can take the change below -finished
         return w.finished_requests or 0
 
     backlog = sum(w.waiting_requests or 0.0 for w in windows if saturated(w))

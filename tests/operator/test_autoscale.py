@@ -110,6 +110,9 @@ def test_demand_is_the_arrived_requests_and_their_tokens_over_every_revision():
                      in_flight_per_replica=4, waiting_per_replica=0)
     assert demand_of([drained], api.Slo(), after_backlog=True) == (Demand(1.2, 100.0), None)
     assert demand_of([drained], api.Slo()) == (Demand(2.0, 100.0), None)
+    # requests never arrive negatively, whatever the gauges' ends say (a pod gone with its requests in the system)
+    gone = replace(drained, arrived_requests=-20)
+    assert demand_of([gone], api.Slo(), after_backlog=True) == (Demand(0.0, 100.0), None)
 
 
 def autoscaled_serving() -> tuple[api.SpeculativeServingSpec, api.ServingProfileSpec]:
