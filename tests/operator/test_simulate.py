@@ -183,7 +183,8 @@ def test_a_gradual_drift_falls_back_once_the_drafter_is_slower_than_plain_decodi
     the ramp takes the drafter below plain decoding at some batch size, and is promoted in every seed; the fleet
     meets its SLO more often over the hour than the same serving keeping its drafter, and from three intervals after
     the ramp it serves at 0.95 or more of the best tokens per dollar (plain decoding from the start) with the SLO
-    met throughout, at the median seed: the issue's recovery target, where keeping the drafter stays far below."""
+    met throughout, at the median seed (the recovery target of docs/benchmarks.md), where keeping the drafter stays
+    far below."""
     doc = document("drift-gradual")
     scenario = scenario_module.Scenario.model_validate(doc)
     (drift,) = scenario.faults
