@@ -268,12 +268,14 @@ def serving_status(serving: Serving, profile: Profile, old_status: dict, generat
     for type_, (value, reason, message) in {**scaling.conditions, **decision.conditions}.items():
         conditions = set_condition(conditions, type_, value, reason, message, at)
 
+    # The stage stays Promoted or Aborted after the rollout is over: a scale-up later is Pending, not the rollout.
+    rolling_back = old_status.get("phase") in ("Progressing", "RollingBack")
     if decision.stage == "Canary":
         phase = "Progressing"
-    elif decision.stage == "Promoted" and (not ready or others):
+    elif decision.stage == "Promoted" and others:
         phase = "Promoting"  # the promoted revision scales up; the old stable goes once it is ready
-    elif decision.stage == "Aborted" and (not ready or (len(revs) > 1 and is_serving(revision_status(revs[1])))):
-        phase = "RollingBack"
+    elif decision.stage == "Aborted" and ((not ready and rolling_back) or (len(revs) > 1 and is_serving(revision_status(revs[1])))):
+        phase = "RollingBack"  # until the stable is ready again and the candidate serves nothing
     else:
         phase = "Serving" if ready else "Pending"
     status = {

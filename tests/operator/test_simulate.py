@@ -243,6 +243,22 @@ def test_after_a_drift_the_fleet_is_measured_against_the_fallback_run_from_the_s
     assert simulate.recovery_deadline(gradual) == ramp.at_seconds + ramp.ramp_seconds + 3 * 60
 
 
+@pytest.mark.parametrize("name, seed", [("drift-fallback", 1), ("dflash-loses-at-high-concurrency", 3)])
+def test_once_a_rollout_is_over_a_scale_up_is_pending_not_the_rollout_again(name, seed):
+    """The rollout's stage stays Promoted (or Aborted) after it ends; the phase says Promoting (RollingBack) only
+    while the old revision's (the candidate's) pods remain or the stable is not yet back, so a scale-up an hour
+    later is Pending, as any other."""
+    scenario = scenario_module.Scenario.model_validate(document(name))
+    ticks = simulate.simulate(scenario, simulate.arrivals(scenario, seed), seed).ticks
+    rollout_phase = {"drift-fallback": "Promoting", "dflash-loses-at-high-concurrency": "RollingBack"}[name]
+    ended = next(i for i, t in enumerate(ticks) if i and ticks[i - 1].stage == rollout_phase and t.stage != rollout_phase)
+    later = ticks[ended:]
+    scale_ups = [t for t in later if sum(t.ready.values()) < sum(t.desired.values())]
+    assert scale_ups, "the seed scales up after its rollout: the case under test"
+    assert {t.stage for t in scale_ups} == {"Pending"}
+    assert rollout_phase not in {t.stage for t in later}
+
+
 def test_a_fallback_that_loses_its_canary_is_retried_later_and_promoted():
     """drift-gradual.yaml with minSpeedup 1.5: the fallback starts while the drafter is still faster than plain
     decoding (less than 1.5x), and loses its canary. The drift goes on, the drafter becomes slower, and after the
