@@ -311,3 +311,36 @@ def test_the_grafana_dashboard_ships_for_grafana_s_sidecar_and_every_query_passe
     checked = subprocess.run([shutil.which("promtool") or "promtool", "check", "rules", str(tmp_path / "rules.yml")],
                              capture_output=True, text=True, check=False)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_the_alert_rules_ship_as_a_prometheus_rule_querying_only_exported_series_and_pass_promtool(chart, tmp_path):
+    """rules/specserve.yaml as the PrometheusRule's spec, its {{ $labels }} left to Prometheus, every series and
+    label one the runtimes and the operator export (as the chart's monitors label them), in rules promtool accepts."""
+    import shutil
+
+    from .test_docs import exported_series, used_by
+
+    assert not [o for o in rendered_objects(chart, {}) if o["kind"] == "PrometheusRule"]  # off by default
+    values = {"prometheusRule": {"enabled": True, "labels": {"release": "kps"}}}
+    (rule,) = [o for o in rendered_objects(chart, values) if o["kind"] == "PrometheusRule"]
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1" and rule["metadata"]["namespace"] == "specserve-system"
+    assert rule["metadata"]["labels"]["release"] == "kps"
+    assert rule["spec"] == yaml.safe_load(Path(CHART, "rules", "specserve.yaml").read_text())
+    rules = {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"]}
+    assert {"SpecserveSpeculationDegraded", "SpecserveInterTokenLatencyAboveSLO", "SpecserveTimeToFirstTokenAboveSLO",
+            "SpecserveRolloutStalled", "SpecserveOperatorDown"} <= set(rules)
+    assert "{{ $labels.serving }}" in rules["SpecserveSpeculationDegraded"]["annotations"]["summary"]
+    names, labels = exported_series()
+    used = set()
+    for alert, r in rules.items():
+        rule_names, rule_labels = used_by(r["expr"])
+        rule_labels |= {label for text in r["annotations"].values() for label in re.findall(r"\$labels\.(\w+)", text)}
+        assert rule_names <= names, f"{alert}: no such series {sorted(rule_names - names)}"
+        assert rule_labels <= labels, f"{alert}: no such label {sorted(rule_labels - labels)}"
+        used |= rule_names
+    assert {"vllm:inter_token_latency_seconds_bucket", "specserve_operator_slo_p99_inter_token_latency_seconds",
+            "specserve_operator_speculation_degraded", "specserve_operator_rollout_step"} <= used
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump(rule["spec"]))
+    checked = subprocess.run([shutil.which("promtool") or "promtool", "check", "rules", str(tmp_path / "rules.yml")],
+                             capture_output=True, text=True, check=False)
+    assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -23,6 +23,7 @@ P99_ITL = "histogram_quantile(0.99, sum by (le) (rate(vllm:inter_token_latency_s
 TOKENS_PER_SECOND = "sum(rate(vllm:generation_tokens_total[1m]))"
 POD_LABELS = {"tenant": "team-a", "namespace": "team-a-apps", "serving": "chat", "revision": "5f3a9c21"}
 DASHBOARD = Path(__file__).resolve().parents[2] / "charts" / "specserve" / "dashboards" / "specserve.json"
+ALERT_RULES = Path(__file__).resolve().parents[2] / "charts" / "specserve" / "rules" / "specserve.yaml"
 
 
 def query(prometheus: str, promql: str) -> float | None:
@@ -61,9 +62,11 @@ def runtime_and_prometheus(tmp_path_factory):
     pod_labels = ", ".join(f"{key}: {value}" for key, value in POD_LABELS.items())
     config.write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"rule_files: ['{ALERT_RULES}']\n"  # the chart's PrometheusRule's spec
         "scrape_configs:\n"
         f"  - job_name: specserve\n    static_configs: [{{targets: ['127.0.0.1:{runtime_port}'], labels: {{{pod_labels}}}}}]\n"
-        f"  - job_name: operator\n    static_configs: [{{targets: ['127.0.0.1:{operator_port}'], "
+        # prometheus-operator names a ServiceMonitor's job after the Service: specserve-operator-metrics
+        f"  - job_name: specserve-operator-metrics\n    static_configs: [{{targets: ['127.0.0.1:{operator_port}'], "
         "labels: {namespace: specserve-system}}]\n"
     )
     prometheus = subprocess.Popen(
@@ -141,3 +144,31 @@ def test_every_dashboard_query_answers_for_the_serving_it_selects(runtime_and_pr
     assert value["Rollout"] == -1 and value["Generated tokens/s per ready replica"] > 0
     positions = answers[next(t for t in answers if t.startswith("Acceptance by draft position"))]
     assert sorted(int(s["metric"]["position"]) for s in positions) == list(range(len(positions)))
+
+
+def test_the_chart_s_latency_alerts_compare_each_serving_with_its_own_slo(runtime_and_prometheus):
+    """The chart's alert rules, loaded by the real Prometheus: with the serving's SLO published by the operator far
+    below what it measures, its p99 ITL and TTFT alerts go pending for that serving (their join of the runtime's
+    series with the operator's SLO gauges matches), and no other alert does."""
+    from specserve_operator import api
+    from specserve_operator.main import publish_status
+
+    runtime, prometheus = runtime_and_prometheus
+    publish_status(POD_LABELS["namespace"], POD_LABELS["serving"], {"canary": None, "conditions": []},
+                   api.Slo(p99_inter_token_latency_ms=0.001, p99_time_to_first_token_ms=0.001))
+    wanted = {"SpecserveInterTokenLatencyAboveSLO", "SpecserveTimeToFirstTokenAboveSLO"}
+    deadline, alerts = time.time() + 90, []
+    while time.time() < deadline:
+        chat(runtime, max_tokens=8)
+        url = f"{prometheus}/api/v1/alerts"
+        alerts = json.loads(urllib.request.urlopen(url, timeout=5).read())["data"]["alerts"]
+        if {alert["labels"]["alertname"] for alert in alerts} == wanted:
+            break  # (SpecserveOperatorDown is pending until Prometheus has scraped the operator once)
+        time.sleep(1)
+    firing = {alert["labels"]["alertname"]: alert for alert in alerts}
+    assert set(firing) == wanted, sorted(firing)
+    for alert in firing.values():
+        assert alert["state"] == "pending"  # for: 10m
+        assert {k: alert["labels"][k] for k in ("namespace", "serving")} == {
+            "namespace": POD_LABELS["namespace"], "serving": POD_LABELS["serving"]}
+        assert POD_LABELS["serving"] in alert["annotations"]["summary"]
