@@ -269,12 +269,12 @@ def serving_status(serving: Serving, profile: Profile, old_status: dict, generat
         conditions = set_condition(conditions, type_, value, reason, message, at)
 
     # The stage stays Promoted or Aborted after the rollout is over: a scale-up later is Pending, not the rollout.
-    rolling_back = old_status.get("phase") in ("Progressing", "RollingBack")
+    was_in_rollout = old_status.get("phase") in ("Progressing", "RollingBack")
     if decision.stage == "Canary":
         phase = "Progressing"
     elif decision.stage == "Promoted" and others:
         phase = "Promoting"  # the promoted revision scales up; the old stable goes once it is ready
-    elif decision.stage == "Aborted" and ((not ready and rolling_back) or (len(revs) > 1 and is_serving(revision_status(revs[1])))):
+    elif decision.stage == "Aborted" and ((not ready and was_in_rollout) or (len(revs) > 1 and is_serving(revision_status(revs[1])))):
         phase = "RollingBack"  # until the stable is ready again and the candidate serves nothing
     else:
         phase = "Serving" if ready else "Pending"

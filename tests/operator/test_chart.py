@@ -1,7 +1,9 @@
 """The Helm chart, rendered by Helm's own SDK and validated against Kubernetes 1.30 schemas."""
 
+import ast
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,8 +12,11 @@ import helm_python
 import kubernetes_validate
 import pytest
 import yaml
+from specserve_runtime.metrics import Metrics
 
 CHART = "charts/specserve"
+OPERATOR_MAIN = Path("operator/specserve_operator/main.py")
+POD_MONITOR = Path(CHART, "templates", "monitoring.yaml")
 # Rendered objects are validated against the oldest Kubernetes the chart admits (Chart.yaml kubeVersion).
 MIN_KUBERNETES = re.fullmatch(r">=(\d+\.\d+)\.0-0", yaml.safe_load(Path(CHART, "Chart.yaml").read_text())["kubeVersion"])[1]
 
@@ -282,10 +287,6 @@ def test_checkov_fails_nothing_but_the_justified_skips(chart, tmp_path):
 def test_the_grafana_dashboard_ships_for_grafana_s_sidecar_and_every_query_passes_promtool(chart, tmp_path):
     """Per tenant and serving: acceptance (and by position), tokens/s, tokens per dollar, p99s, replicas, the
     rollout and the speculation health, from series the runtimes and the operator export, in valid PromQL."""
-    import shutil
-
-    from .test_docs import exported_series, used_by
-
     assert not [o for o in rendered_objects(chart, {}) if o["kind"] == "ConfigMap"]  # off by default
     (config_map,) = [o for o in rendered_objects(chart, {"grafanaDashboard": {"enabled": True}}) if o["kind"] == "ConfigMap"]
     kubernetes_validate.validate(config_map, MIN_KUBERNETES, strict=True)
@@ -293,13 +294,7 @@ def test_the_grafana_dashboard_ships_for_grafana_s_sidecar_and_every_query_passe
     dashboard = json.loads(config_map["data"]["specserve.json"])
     assert [v["name"] for v in dashboard["templating"]["list"]] == ["datasource", "tenant", "namespace", "serving"]
     expressions = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
-    names, labels = exported_series()
-    used = set()
-    for expr in expressions:
-        expr_names, expr_labels = used_by(expr)
-        assert expr_names <= names, f"no such series {sorted(expr_names - names)} in {expr}"
-        assert expr_labels <= labels, f"no such label {sorted(expr_labels - labels)} in {expr}"
-        used |= expr_names
+    used = assert_exported({expr: (expr, set()) for expr in expressions})
     assert {"vllm:spec_decode_num_accepted_tokens_per_pos_total", "vllm:inter_token_latency_seconds_bucket",
             "vllm:time_to_first_token_seconds_bucket", "specserve_operator_tokens_per_dollar",
             "specserve_operator_desired_replicas", "specserve_operator_rollout_step",
@@ -307,19 +302,12 @@ def test_the_grafana_dashboard_ships_for_grafana_s_sidecar_and_every_query_passe
     # Grafana substitutes its variables before Prometheus sees a query: as "All" does, with .*
     rules = [{"record": f"dashboard:query_{index}", "expr": re.sub(r"\$(tenant|namespace|serving)\b", ".*", expr)}
              for index, expr in enumerate(expressions)]
-    (tmp_path / "rules.yml").write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
-    checked = subprocess.run([shutil.which("promtool") or "promtool", "check", "rules", str(tmp_path / "rules.yml")],
-                             capture_output=True, text=True, check=False)
-    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert_promtool_accepts({"groups": [{"name": "dashboard", "rules": rules}]}, tmp_path)
 
 
 def test_the_alert_rules_ship_as_a_prometheus_rule_querying_only_exported_series_and_pass_promtool(chart, tmp_path):
     """rules/specserve.yaml as the PrometheusRule's spec, its {{ $labels }} left to Prometheus, every series and
     label one the runtimes and the operator export (as the chart's monitors label them), in rules promtool accepts."""
-    import shutil
-
-    from .test_docs import exported_series, used_by
-
     assert not [o for o in rendered_objects(chart, {}) if o["kind"] == "PrometheusRule"]  # off by default
     values = {"prometheusRule": {"enabled": True, "labels": {"release": "kps"}}}
     (rule,) = [o for o in rendered_objects(chart, values) if o["kind"] == "PrometheusRule"]
@@ -330,17 +318,65 @@ def test_the_alert_rules_ship_as_a_prometheus_rule_querying_only_exported_series
     assert {"SpecserveSpeculationDegraded", "SpecserveInterTokenLatencyAboveSLO", "SpecserveTimeToFirstTokenAboveSLO",
             "SpecserveRolloutStalled", "SpecserveOperatorDown"} <= set(rules)
     assert "{{ $labels.serving }}" in rules["SpecserveSpeculationDegraded"]["annotations"]["summary"]
-    names, labels = exported_series()
-    used = set()
-    for alert, r in rules.items():
-        rule_names, rule_labels = used_by(r["expr"])
-        rule_labels |= {label for text in r["annotations"].values() for label in re.findall(r"\$labels\.(\w+)", text)}
-        assert rule_names <= names, f"{alert}: no such series {sorted(rule_names - names)}"
-        assert rule_labels <= labels, f"{alert}: no such label {sorted(rule_labels - labels)}"
-        used |= rule_names
+    used = assert_exported({alert: (r["expr"], {label for text in r["annotations"].values()
+                                                 for label in re.findall(r"\$labels\.(\w+)", text)})
+                            for alert, r in rules.items()})
     assert {"vllm:inter_token_latency_seconds_bucket", "specserve_operator_slo_p99_inter_token_latency_seconds",
             "specserve_operator_speculation_degraded", "specserve_operator_rollout_step"} <= used
-    (tmp_path / "rules.yml").write_text(yaml.safe_dump(rule["spec"]))
-    checked = subprocess.run([shutil.which("promtool") or "promtool", "check", "rules", str(tmp_path / "rules.yml")],
-                             capture_output=True, text=True, check=False)
+    assert_promtool_accepts(rule["spec"], tmp_path)
+
+
+def exported_series() -> tuple[set[str], set[str]]:
+    """The sample names and label names Prometheus stores for the runtime and the operator."""
+    runtime = Metrics("model", "dflash", "drafter")
+    runtime.record_step(num_emitted=3, num_draft_tokens=2, num_accepted=1)  # creates the per-position series
+    runtime.of(runtime.rejected, reason="queue_full").inc()
+    samples = [sample for family in runtime.registry.collect() for sample in family.samples]
+    names = {sample.name for sample in samples} | {"up"}
+    labels = {label for sample in samples for label in sample.labels}
+    for node in ast.walk(ast.parse(OPERATOR_MAIN.read_text())):  # Counter("name", "doc", [labels])
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("Counter", "Gauge"):
+            name = node.args[0].value
+            names.add(f"{name}_total" if node.func.id == "Counter" else name)
+            labels |= {label.value for label in node.args[2].elts}
+    # The PodMonitor copies pod labels onto the series; Prometheus adds its target labels and, through
+    # the ServiceMonitor, renames the operator gauges' `namespace` to exported_namespace.
+    labels |= set(re.findall(r"targetLabel: (\w+)", POD_MONITOR.read_text()))
+    labels |= {"job", "instance", "pod", "container", "endpoint", "exported_namespace"}
+    return names, labels
+
+
+PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "bool", "offset"}
+
+
+def used_by(expr: str) -> tuple[set[str], set[str]]:
+    """The metric names and label names a PromQL expression uses (enough PromQL for the chart's alert rules and dashboard)."""
+    labels = set(re.findall(r'(\w+)\s*(?:=~|!~|!=|=)\s*"', expr))
+    for grouping in re.findall(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)", expr):
+        labels |= {label.strip() for label in grouping.split(",") if label.strip()}
+    bare = re.sub(r'\{[^}]*\}|\[[^\]]*\]|"[^"]*"|\b(?:by|without|on|ignoring)\s*\([^)]*\)', " ", expr)
+    names = set(re.findall(r"[A-Za-z_:][\w:]*(?![\w:]|\s*\()", bare)) - PROMQL_WORDS  # not followed by "(": no function
+    return names, labels
+
+
+def assert_exported(queries: dict[str, tuple[str, set[str]]]) -> set[str]:
+    """Each query (what it is -> its PromQL and the labels it reads besides) uses only series and labels that the
+    runtimes and the operator export, as the chart's monitors label them; the series they use."""
+    names, labels = exported_series()
+    used = set()
+    for what, (expr, read) in queries.items():
+        expr_names, expr_labels = used_by(expr)
+        expr_labels |= read
+        assert expr_names <= names, f"{what}: no such series {sorted(expr_names - names)}"
+        assert expr_labels <= labels, f"{what}: no such label {sorted(expr_labels - labels)}"
+        used |= expr_names
+    return used
+
+
+def assert_promtool_accepts(rules: dict, tmp_path: Path) -> None:
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump(rules))
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool comes with Debian's prometheus package, which `make test` installs"
+    checked = subprocess.run([promtool, "check", "rules", str(tmp_path / "rules.yml")], capture_output=True, text=True,
+                             check=False)
     assert checked.returncode == 0, checked.stdout + checked.stderr

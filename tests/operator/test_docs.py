@@ -1,18 +1,14 @@
 """The operations docs stay true: the configuration reference is generated from the CRDs, every
-Event reason and condition type the operator's code emits is explained in docs/operations.md, and
-its alert rules query only series and labels that exist."""
+Event reason and condition type the operator's code emits is explained in docs/operations.md."""
 
 import ast
-import re
 from pathlib import Path
 
 from specserve_operator.crd import REFERENCE_COMMAND, all_crds, reference_markdown
-from specserve_runtime.metrics import Metrics
 
 REFERENCE = Path("docs/configuration.md")
 OPERATIONS = Path("docs/operations.md")
 OPERATOR_SOURCE = Path("operator/specserve_operator")
-POD_MONITOR = Path("charts/specserve/templates/monitoring.yaml")
 
 
 def test_configuration_reference_is_generated_from_the_crds():
@@ -87,36 +83,3 @@ def test_every_event_reason_and_condition_type_is_documented():
     operations = OPERATIONS.read_text()
     undocumented = sorted(name for name in reasons | types if f"`{name}`" not in operations)
     assert not undocumented, f"emitted by the operator but not explained in docs/operations.md: {undocumented}"
-
-
-def exported_series() -> tuple[set[str], set[str]]:
-    """The sample names and label names Prometheus stores for the runtime and the operator."""
-    runtime = Metrics("model", "dflash", "drafter")
-    runtime.record_step(num_emitted=3, num_draft_tokens=2, num_accepted=1)  # creates the per-position series
-    runtime.of(runtime.rejected, reason="queue_full").inc()
-    samples = [sample for family in runtime.registry.collect() for sample in family.samples]
-    names = {sample.name for sample in samples} | {"up"}
-    labels = {label for sample in samples for label in sample.labels}
-    for node in ast.walk(ast.parse((OPERATOR_SOURCE / "main.py").read_text())):  # Counter("name", "doc", [labels])
-        if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("Counter", "Gauge"):
-            name = node.args[0].value
-            names.add(f"{name}_total" if node.func.id == "Counter" else name)
-            labels |= {label.value for label in node.args[2].elts}
-    # The PodMonitor copies pod labels onto the series; Prometheus adds its target labels and, through
-    # the ServiceMonitor, renames the operator gauges' `namespace` to exported_namespace.
-    labels |= set(re.findall(r"targetLabel: (\w+)", POD_MONITOR.read_text()))
-    labels |= {"job", "instance", "pod", "container", "endpoint", "exported_namespace"}
-    return names, labels
-
-
-PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "bool", "offset"}
-
-
-def used_by(expr: str) -> tuple[set[str], set[str]]:
-    """The metric names and label names a PromQL expression uses (enough PromQL for the documented rules and the dashboard)."""
-    labels = set(re.findall(r'(\w+)\s*(?:=~|!~|!=|=)\s*"', expr))
-    for grouping in re.findall(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)", expr):
-        labels |= {label.strip() for label in grouping.split(",") if label.strip()}
-    bare = re.sub(r'\{[^}]*\}|\[[^\]]*\]|"[^"]*"|\b(?:by|without|on|ignoring)\s*\([^)]*\)', " ", expr)
-    names = set(re.findall(r"[A-Za-z_:][\w:]*(?![\w:]|\s*\()", bare)) - PROMQL_WORDS  # not followed by "(": no function
-    return names, labels
