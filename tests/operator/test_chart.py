@@ -216,6 +216,7 @@ def test_the_operator_pod_is_hardened(chart):
 @pytest.mark.parametrize("values, named", [
     ({"allNamespaces": "yes"}, "/allNamespaces"),
     ({"podMonitor": {"enabled": True, "lables": {}}}, "lables"),
+    ({"prometheusRule": {"enabled": "true"}}, "/prometheusRule/enabled"),
     ({"prometheus": {"url": "prometheus:9090"}}, "/prometheus/url"),
     ({"autoscaleIntervalSeconds": 0}, "/autoscaleIntervalSeconds"),
     ({"replicaStartupSeconds": -1}, "/replicaStartupSeconds"),
