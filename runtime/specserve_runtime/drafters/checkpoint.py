@@ -76,6 +76,15 @@ def load_weights(module: nn.Module, folder: str | Path, state: dict[str, torch.T
     module.load_state_dict({name: t.to(expected[name].dtype) for name, t in state.items()})
 
 
+def seeded(build: Callable[[], nn.Module], seed: int) -> nn.Module:
+    """The drafter `build` makes with weights drawn from `seed` (a random drafter), frozen; the caller's
+    random state is left as it was."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        module = build()
+    return module.eval().requires_grad_(False)
+
+
 def load(folder: str | Path, build: Callable[[dict], nn.Module]) -> nn.Module:
     """The drafter `build` makes from the folder's config.json, with the folder's weights, frozen."""
     module = build(read_config(folder))

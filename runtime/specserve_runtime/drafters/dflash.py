@@ -384,10 +384,7 @@ class DFlashProposer(ModelProposer):
 
 
 def random_drafter(config: DFlashConfig, seed: int) -> DFlashDrafter:
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        drafter = DFlashDrafter(config)
-    return drafter.eval().requires_grad_(False)
+    return checkpoint.seeded(lambda: DFlashDrafter(config), seed)
 
 
 def load_dflash(folder: str | Path) -> DFlashDrafter:

@@ -329,9 +329,7 @@ def save_eagle3(drafter: Eagle3Drafter, folder: str | Path, dtype: torch.dtype |
 def build_eagle3(target: Transformer, options: ProposerOptions) -> Eagle3Proposer:
     source = drafter_source("eagle3", options)
     if source == "random":
-        with torch.random.fork_rng():
-            torch.manual_seed(options.seed)
-            drafter = Eagle3Drafter(Eagle3Config.for_target(target.config)).eval().requires_grad_(False)
+        drafter = checkpoint.seeded(lambda: Eagle3Drafter(Eagle3Config.for_target(target.config)), options.seed)
     else:
         drafter = load_eagle3(source)
     check_matches_target("eagle3", drafter.config, target.config)
