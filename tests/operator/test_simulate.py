@@ -275,6 +275,34 @@ def test_a_fallback_that_loses_its_canary_is_retried_later_and_promoted():
     assert run_.decision == "Promoted" and run_.decision_at > retried
 
 
+def test_a_fallback_started_by_a_two_minute_dip_loses_its_canary_and_the_drafter_serves_on(tmp_path):
+    """drift-transient.yaml: the drift of drift-fallback.yaml lasts two minutes and is judged on one analysis
+    (sustainedAnalyses: 1). The drafter is degraded at the first analysis of the dip and its fallback rolled out;
+    against the recovered drafter the fallback loses its canary in every seed and is not retried, so the drafter
+    serves on, healthy. With the default three analyses in a row the dip degrades nothing; the false alarm costs
+    neither SLO nor more than a few percent of the hour's cost: the canary's pods start in the slots that the
+    replicas bought for the dip's queue take in the default's run."""
+    doc = document("drift-transient")
+    dip, recovery = doc["faults"]
+    fast = five_seeds_of("drift-transient")
+    assert fast["decisions"] == {"Aborted": 5}
+    degraded = fast["speculationDegradedAtSeconds"]
+    assert degraded["seeds"] == 5 and dip["atSeconds"] < degraded["min"] and degraded["max"] <= recovery["atSeconds"]
+    scenario = scenario_module.Scenario.model_validate(doc)
+    ticks = simulate.simulate(scenario, simulate.arrivals(scenario, scenario.seed), scenario.seed).ticks
+    rolled_back = max(t.t for t in ticks if t.stage == "RollingBack")
+    assert {t.stage for t in ticks if t.t > rolled_back} <= {"Serving", "Pending"}  # healthy, and no second canary
+    serving = {revision for revision, replicas in ticks[-1].desired.items() if replicas}  # the aborted one kept at 0
+    assert serving == set(ticks[0].desired)  # the drafter's revision, as before the dip
+    doc["serving"]["speculationHealth"]["sustainedAnalyses"] = 3
+    code, out, err = run("--scenario", str(write(tmp_path, doc)), "--seeds", "5")
+    assert code == 0, err
+    default = json.loads(out.strip().splitlines()[-1])
+    assert default["decisions"] == {"None": 5} and default["speculationDegradedAtSeconds"] is None
+    assert fast["sloAttainment"]["min"] == pytest.approx(default["sloAttainment"]["min"], abs=0.01)
+    assert fast["costVsStaticPeak"] == pytest.approx(default["costVsStaticPeak"], rel=0.05)
+
+
 def test_on_the_embedded_engine_the_pods_stop_drafting_at_the_drift_and_the_fallback_still_replaces_the_drafter():
     """drift-embedded.yaml is drift-fallback.yaml on the embedded engine, whose pods choose their draft length from
     what they measure: from the drift they decode at plain decoding's speed (less what exploring costs), where
