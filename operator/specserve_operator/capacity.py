@@ -27,7 +27,7 @@ prior's table says how many (its maxConcurrency, else its highest concurrency), 
 """
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 OBSERVATIONS = 30  # measured windows kept per revision
@@ -82,6 +82,14 @@ class Prior:
         """The table's points, labelled with the acceptance length it measured them at (None: it says none)."""
         return Prior(tuple(replace(p, acceptance_length=acceptance_length) for p in self.points), self.batch)
 
+    def step_gaps(self, tokens_per_step: Callable[[Point], float]) -> "Prior":
+        """The table's inter-token latencies as the gaps between a request's verify steps: vLLM and the runtime
+        observe one gap per step and request, and a step that yields n tokens comes n times its time per token
+        after the last. Measured windows carry that gap; a prior left per token would under-predict a drafter's
+        p99 inter-token latency n-fold until the windows outweigh it."""
+        return Prior(tuple(replace(p, p99_inter_token_latency_ms=p.p99_inter_token_latency_ms * tokens_per_step(p))
+                           for p in self.points), self.batch)
+
 
 @dataclass(frozen=True)
 class Capacity:
@@ -109,7 +117,8 @@ def rescaled(point: Point, acceptance_length: float | None) -> Point:
     length make it cost, however much of the draft is accepted, and yields acceptance-length tokens on average,
     so the time per generated token scales as 1 / acceptance length: a window from before the drafter's
     acceptance fell would otherwise overstate the replica's capacity for as long as it is kept. (The p99
-    inter-token latency is not rescaled: vLLM observes it per step, one step per emission of tokens.)"""
+    inter-token latency is not rescaled: vLLM observes it per step, one step per emission of tokens, and a
+    prior is converted to that gap (Prior.step_gaps).)"""
     if acceptance_length is None or point.acceptance_length is None or point.ms_per_token is None:
         return point
     return replace(point, ms_per_token=point.ms_per_token * point.acceptance_length / acceptance_length,

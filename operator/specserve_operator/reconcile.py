@@ -201,7 +201,8 @@ def autoscale_serving(cluster: Cluster, source, serving: Serving, profile: Profi
     measured = [r.hash for r in running] + [h for h in serving_now if h not in {r.hash for r in running}]
     windows, problem, measured_by = measure_interval(cluster, source, serving, profile, measured, deployments,
                                                      settings.autoscale_interval_seconds, fallback)
-    priors = {r.hash: capacity_prior(r.speculator, settings.capacity_priors, settings.draft_lengths) for r in running}
+    priors = {r.hash: capacity_prior(r.speculator, settings.capacity_priors, settings.draft_lengths,
+                                     settings.inter_token_latency_per_step) for r in running}
     status, scale = autoscale.tick(previous, windows, [r.hash for r in running], priors, spec, profile.spec, effective_slo(spec, profile), current,
                                    decision.stage == "Canary", now, settings.replica_startup_seconds)
     status = status.model_copy(update={"last_evaluation_time": timestamp(now), "measured_by": measured_by})

@@ -63,6 +63,10 @@ class Settings:
     # How long a new runtime replica takes to serve (image pull, model load): the autoscaler plans a
     # rising demand this far ahead (SPECSERVE_REPLICA_STARTUP_SECONDS; a scenario's startupSeconds).
     replica_startup_seconds: float = 120.0
+    # What the measured p99 inter-token latency is: the gap between a request's verify steps, as vLLM and the runtime
+    # observe it (so a drafter's capacity prior is converted to it: schedule.capacity_prior); False where it is the
+    # time per token, as the simulator measures it (docs/simulator.md).
+    inter_token_latency_per_step: bool = True
 
 
 def selector_labels(serving: Serving) -> dict[str, str]:

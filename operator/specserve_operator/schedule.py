@@ -131,13 +131,20 @@ def worth_applying(status: api.DraftScheduleStatus | None, revision: str, specul
             and speculator.num_speculative_tokens_per_batch_size != status.proposed)
 
 
-def capacity_prior(speculator: api.Speculator, priors: dict[str, Prior], lengths: dict[str, DraftLengths]) -> Prior:
+def capacity_prior(speculator: api.Speculator, priors: dict[str, Prior], lengths: dict[str, DraftLengths],
+                   step_gaps: bool = True) -> Prior:
     """The autoscaler's prior for a revision of this speculator: its method's, or for one drafting by a schedule,
-    the schedule's curve from the draft lengths measured (where they cover it)."""
+    the schedule's curve from the draft lengths measured (where they cover it). `step_gaps`: its inter-token
+    latencies as the gaps between verify steps, what the runtimes measure (Prior.step_gaps): a step yields the
+    table's acceptance length, or under a schedule that of the length it gives the batch."""
     prior = priors.get(speculator.method, Prior())
     measured = lengths.get(speculator.method)
     schedule = speculator.num_speculative_tokens_per_batch_size
     if not schedule or measured is None or not {r.num_speculative_tokens for r in schedule} <= set(measured.curves):
-        return prior
+        return prior.step_gaps(lambda point: point.acceptance_length or 1.0) if step_gaps else prior
     rows = [point.model_dump(by_alias=True) for point in scheduled_curve(measured.curves, schedule)]
-    return prior_points(rows, measured.batch)
+    prior = prior_points(rows, measured.batch)
+    if not step_gaps:
+        return prior
+    # A prior point's requests in flight are its row's concurrency less the request itself (prior_points).
+    return prior.step_gaps(lambda point: measured.acceptance[scheduled_tokens(schedule, round(point.in_flight_per_replica) + 1)])

@@ -120,14 +120,40 @@ def test_an_applied_schedule_is_the_rollout_candidate_while_the_spec_keeps_its_g
 def test_the_autoscaler_s_prior_for_a_scheduled_revision_is_the_schedule_s_curve():
     method_prior = Prior(batch=16)
     priors = {"dflash": method_prior}
-    assert capacity_prior(SEVEN, priors, {"dflash": LENGTHS}) is method_prior
-    prior = capacity_prior(scheduled(SEVEN, parse_schedule("1-4:7,5-:0")), priors, {"dflash": LENGTHS})
+    assert capacity_prior(SEVEN, priors, {"dflash": LENGTHS}, step_gaps=False) is method_prior
+    prior = capacity_prior(scheduled(SEVEN, parse_schedule("1-4:7,5-:0")), priors, {"dflash": LENGTHS}, step_gaps=False)
     assert len(prior.points) == 16 and prior.batch == 16
     # a request at batch 1 finds no other in flight: 200 tok/s drafting 7; at batch 8, plain decoding's 70 tok/s
     assert prior.points[0].p99_inter_token_latency_ms == pytest.approx(1000 / 200)
     assert prior.points[7].p99_inter_token_latency_ms == pytest.approx(1000 / 70)
     unmeasured = scheduled(SEVEN, parse_schedule("1-:5"))
-    assert capacity_prior(unmeasured, priors, {"dflash": LENGTHS}) is method_prior  # 5 drafts were not benched
+    assert capacity_prior(unmeasured, priors, {"dflash": LENGTHS}, step_gaps=False) is method_prior  # 5 drafts were not benched
+
+
+def test_a_drafter_s_prior_predicts_the_gap_between_its_verify_steps_which_is_what_the_runtimes_measure():
+    """vLLM and the runtime observe one inter-token gap per verify step and request: a step yielding 4 tokens comes
+    4x the time per token after the last. The prior says so (the operator's default); the time per token, which
+    sizes the queue, and the TTFT stay the table's."""
+    from specserve_runtime.performance import Performance
+
+    from specserve_operator.priors import capacity_priors
+    from specserve_operator.render import Settings
+
+    rows = [{"concurrency": c, "tokensPerSecondPerRequest": r, "ttftMs": 20.0 * c} for c, r in ((1, 200), (8, 70))]
+    priors = capacity_priors(Performance.model_validate({"none": {"curve": rows}, "dflash": {"acceptanceLength": 4.0, "curve": rows}}))
+    assert Settings().inter_token_latency_per_step  # what the operator runs with; the simulator's windows count per token
+    per_token, per_step = capacity_prior(SEVEN, priors, {}, step_gaps=False), capacity_prior(SEVEN, priors, {})
+    assert [p.p99_inter_token_latency_ms for p in per_step.points] == pytest.approx([4 * 1000 / 200, 4 * 1000 / 70])
+    assert [p.p99_inter_token_latency_ms for p in per_token.points] == pytest.approx([1000 / 200, 1000 / 70])
+    assert [(p.ms_per_token, p.p99_time_to_first_token_ms, p.acceptance_length) for p in per_step.points] == \
+        [(p.ms_per_token, p.p99_time_to_first_token_ms, p.acceptance_length) for p in per_token.points]
+    plain = api.Speculator(method="none")
+    assert capacity_prior(plain, priors, {}) == capacity_prior(plain, priors, {}, step_gaps=False) == priors["none"]
+    # Under a schedule a step yields the acceptance length of the draft length it gives the batch.
+    prior = capacity_prior(scheduled(SEVEN, parse_schedule("1-1:7,2-4:3,5-:0")), priors, {"dflash": LENGTHS})
+    assert prior.points[0].p99_inter_token_latency_ms == pytest.approx(4.0 * 1000 / 200)  # batch 1: 7 drafts, tau 4.0
+    assert prior.points[2].p99_inter_token_latency_ms == pytest.approx(2.8 * 1000 / (150 + (125 - 150) * 2 / 3))  # 3: tau 2.8
+    assert prior.points[7].p99_inter_token_latency_ms == pytest.approx(1000 / 70)  # batch 8: plain decoding
 
 
 def test_the_bench_s_example_block_gives_the_operator_draft_lengths_and_a_valid_schedule():

@@ -186,7 +186,8 @@ class Operator:
         self.settings = Settings(autoscale_interval_seconds=scenario.tick_seconds,
                                  capacity_priors=capacity_priors(scenario.performance),
                                  draft_lengths=draft_lengths(scenario.performance),
-                                 replica_startup_seconds=scenario.startup_seconds)
+                                 replica_startup_seconds=scenario.startup_seconds,
+                                 inter_token_latency_per_step=False)
         self.tick(0.0, outage=False)
         if scenario.serving.rollout is not None:
             self.cluster.update_spec(scenario.serving)
