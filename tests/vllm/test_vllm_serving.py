@@ -14,10 +14,9 @@ import helm_python
 import openai
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 from specserve_operator.measure import PrometheusSource, Target
 from specserve_runtime.launch import VLLM_ENV
-from specserve_runtime.metric_names import DRAFTS, GENERATION_TOKENS, INTER_TOKEN_LATENCY
+from specserve_runtime.metric_names import DRAFTS, GENERATION_TOKENS, INTER_TOKEN_LATENCY, parse_metrics
 
 from ..operator.test_chart import CHART, MONITORING_ON, rendered_objects
 from ..runtime.test_server import free_port
@@ -62,24 +61,24 @@ def test_the_schedule_and_the_bundled_drafters_reach_vllm_as_rendered(vllm_serve
         assert "smollm2-135m-instruct-" + method in vllm_servers[method].log.read_text()
 
 
-def series_total(server, name: str) -> float:
-    """A series summed over its labels, from the server's /metrics."""
-    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as response:
-        families = text_string_to_metric_families(response.read().decode())
-    return sum(sample.value for family in families for sample in family.samples if sample.name == name)
-
-
 def test_vllm_observes_one_inter_token_latency_per_verify_step_and_request(vllm_servers, prompts):
     """What a drafter's capacity prior predicts (capacity.Prior.step_gaps): vLLM's inter-token latency is the gap
-    between a request's emissions, one per verify step whatever number of tokens the step yields."""
-    names = (f"{INTER_TOKEN_LATENCY}_count", GENERATION_TOKENS, DRAFTS)
+    between a request's emissions, one per verify step whatever number of tokens the step yields. Read with the
+    parser of the operator's pod scrapes."""
+    keys = ((f"{INTER_TOKEN_LATENCY}_bucket", "+Inf"), (GENERATION_TOKENS, ""), (DRAFTS, ""))
+
+    def totals(server) -> list[float]:
+        with urllib.request.urlopen(server.url + "/metrics", timeout=30) as response:
+            values = parse_metrics(response.read().decode())
+        return [values.get(key, 0.0) for key in keys]
+
     counted = {}
     for method in ("none", "dflash"):
         server = vllm_servers[method]
-        before = [series_total(server, name) for name in names]
+        before = totals(server)
         for prompt in prompts:
             greedy_chat(server, prompt, 48)
-        counted[method] = [series_total(server, name) - b for name, b in zip(names, before)]
+        counted[method] = [after - b for after, b in zip(totals(server), before)]
     gaps, tokens, drafts = counted["none"]
     assert gaps == tokens - len(prompts) and drafts == 0  # plain decoding: one gap per token after the first
     gaps, tokens, drafts = counted["dflash"]
