@@ -223,7 +223,7 @@ def test_the_engine_walk_stops_where_drafts_fail_and_skips_accepted_runs():
 
 
 def test_held_out_evaluation_reports_each_category_and_reads_only_the_shards_it_needs(monkeypatch):
-    """The drafter issue's per-domain acceptance: each category from its own sequences' positions and walks."""
+    """Per-domain acceptance: each category from its own sequences' positions and walks."""
     from specserve_runtime.training import train as training
 
     shards = [("a", [{"category": "math", "accepted": [3, 0, 0, 0]}, {"category": "chat", "accepted": [0, 0]}]),
