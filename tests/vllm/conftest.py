@@ -68,6 +68,11 @@ class RuntimeServer:
     def readiness_path(self) -> str:
         return self.deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"]
 
+    def metrics(self) -> str:
+        """Its /metrics page, as Prometheus scrapes it."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as response:
+            return response.read().decode()
+
 
 def vllm_program() -> str:
     """SPECSERVE_VLLM (`make test` sets it; on a GPU machine, `vllm serve`), else the vLLM `make test` installs."""

@@ -137,8 +137,7 @@ def test_both_engines_refuse_malformed_json(vllm_servers, embedded_server):
 
 def test_both_engines_export_the_series_the_operator_reads_with_the_same_finish_reasons(vllm_servers, embedded_server):
     def finish_reasons(server) -> tuple[set[str], set[str]]:
-        with urllib.request.urlopen(server.url + "/metrics", timeout=30) as response:
-            lines = [line for line in response.read().decode().splitlines() if line and not line.startswith("#")]
+        lines = [line for line in server.metrics().splitlines() if line and not line.startswith("#")]
         names = {line.split("{")[0].split(" ")[0] for line in lines}
         reasons = {line.split('finished_reason="')[1].split('"')[0] for line in lines if 'finished_reason="' in line}
         return names, reasons

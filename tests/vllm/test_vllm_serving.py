@@ -8,7 +8,6 @@ import re
 import shutil
 import subprocess
 import time
-import urllib.request
 
 import helm_python
 import openai
@@ -68,8 +67,7 @@ def test_vllm_observes_one_inter_token_latency_per_verify_step_and_request(vllm_
     keys = ((f"{INTER_TOKEN_LATENCY}_bucket", "+Inf"), (GENERATION_TOKENS, ""), (DRAFTS, ""))
 
     def totals(server) -> list[float]:
-        with urllib.request.urlopen(server.url + "/metrics", timeout=30) as response:
-            values = parse_metrics(response.read().decode())
+        values = parse_metrics(server.metrics())
         return [values.get(key, 0.0) for key in keys]
 
     counted = {}
