@@ -100,14 +100,17 @@ def position_uniforms(seed: int, first_position: int, count: int) -> torch.Tenso
     sampled request gives the same text with every method, draft length and batch (up to float
     rounding at the edge between two tokens; see accept).
     """
-    return torch.tensor([
-        torch.rand((), dtype=torch.float64, generator=torch.Generator().manual_seed(_mix(seed, position))).item()
-        for position in range(first_position, first_position + count)
-    ], dtype=torch.float64)
+    stream = _splitmix64(seed % 2**64)  # every 64-bit seed its own stream (torch's CPU generator keeps 32 bits)
+    return torch.tensor([(_splitmix64(stream ^ position) >> 11) * 2.0**-53  # 53 random bits: a double in [0, 1)
+                         for position in range(first_position, first_position + count)], dtype=torch.float64)
 
 
-def _mix(seed: int, position: int) -> int:
-    return (seed * 0x9E3779B97F4A7C15 + position) % 2**64  # distinct (seed, position) pairs, distinct seeds
+def _splitmix64(value: int) -> int:
+    """SplitMix64's output function: a bijection on 64-bit integers that scrambles every bit of its input."""
+    value = (value + 0x9E3779B97F4A7C15) % 2**64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) % 2**64
+    return value ^ (value >> 31)
 
 
 def target_tokens(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None = None) -> torch.Tensor:

@@ -296,3 +296,15 @@ def test_chi_square_check_rejects_a_biased_sampler(tiny_llama):
     biased /= biased.sum()
     counts = torch.bincount(torch.multinomial(biased, 3000, replacement=True, generator=torch.Generator().manual_seed(0)), minlength=joint.numel())
     assert _chi_square_pvalue(counts.float(), joint) < 1e-3
+
+
+def test_every_bit_of_a_seed_picks_its_own_random_numbers():
+    """A request's seed is a 64-bit integer: seeds that agree in their low 32 bits (all torch's CPU generator
+    would keep) or differ by one, and each seed's positions, draw different numbers, uniform on [0, 1)."""
+    seeds = [5, 5 + 2**32, 5 + 2**48, -5, 6]
+    draws = [tuple(verify.position_uniforms(seed, 0, 8).tolist()) for seed in seeds]
+    assert len(set(draws)) == len(seeds) and all(len(set(d)) == 8 for d in draws)
+    assert verify.position_uniforms(5, 3, 5).tolist() == list(draws[0][3:])  # a function of (seed, position) alone
+    many = torch.cat([verify.position_uniforms(seed, 0, 100) for seed in range(500)])
+    counts = torch.bincount((many * 10).long(), minlength=10).float()
+    assert _chi_square_pvalue(counts, torch.full((10,), 0.1)) > 1e-3 and 0 <= many.min() and many.max() < 1

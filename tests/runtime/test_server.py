@@ -122,6 +122,11 @@ def test_sampling_with_a_seed_is_reproducible(client):
         ({"model": MODEL, "prompt": ""}, 400, "prompt is empty"),
         ({"model": MODEL}, 400, "prompt"),
         ([1, 2, 3], 400, "JSON object"),
+        ({"model": MODEL, "prompt": "a\ud800b"}, 400, "prompt: is not valid Unicode text"),
+        ({"model": MODEL, "prompt": "hi " * 9000, "max_tokens": None}, 400, "prompt tokens leave no room to generate"),
+        ({"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo: the embedded engine does not support it"),
+        ({"model": MODEL, "prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty: the embedded engine"),
+        ({"model": MODEL, "prompt": [1, 2]}, 400, "prompt.0: Input should be a valid string"),
     ],
 )
 def test_bad_requests_get_openai_errors(server, payload, status, fragment):
@@ -134,8 +139,26 @@ def test_bad_requests_get_openai_errors(server, payload, status, fragment):
     assert fragment in error["message"] and error["type"] == "invalid_request_error"
 
 
-def test_malformed_json_is_a_400(server):
-    request = urllib.request.Request(server + "/v1/chat/completions", data=b'{"model": ', headers={"Content-Type": "application/json"})
+@pytest.mark.parametrize(
+    "messages, param",
+    [
+        ([{"role": "user", "content": "a\udc00"}], "messages.0.content"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages.0.content.0.type"),
+        ([{"role": "user", "content": "hi " * 9000}], "messages"),
+    ],
+)
+def test_bad_chat_requests_name_the_field(server, messages, param):
+    payload = {"model": MODEL, "messages": messages}
+    request = urllib.request.Request(server + "/v1/chat/completions", data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=30)
+    assert caught.value.code == 400 and json.loads(caught.value.read())["error"]["param"] == param
+
+
+@pytest.mark.parametrize("body", [b'{"model": ', b'{"model": "x", "prompt": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"])
+def test_malformed_json_is_a_400(server, body):
+    request = urllib.request.Request(server + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as caught:
         urllib.request.urlopen(request, timeout=30)
     assert caught.value.code == 400 and "malformed JSON" in json.loads(caught.value.read())["error"]["message"]
@@ -337,6 +360,63 @@ async def test_engine_failure_is_a_500_counted_as_finished_reason_error(smollm2)
             assert ok.status == 200
             assert metrics.of(metrics.success, finished_reason="error")._value.get() == 1
             assert metrics.registry.get_sample_value("vllm:e2e_request_latency_seconds_count", metrics.labels) == 2
+    finally:
+        server.worker.stop()
+
+
+async def test_a_stream_that_fails_ends_with_an_error_event(smollm2):
+    """Once a stream's status line is out, a failure can only be an event: the error, then [DONE]."""
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from specserve_runtime.server.app import Server
+
+    server = Server(lambda: (smollm2, FailingEngine(build_engine(smollm2, "ar"))), MODEL, "ar", None, max_concurrency=1)
+    try:
+        async with TestServer(server.app()) as test_server, aiohttp.ClientSession() as session:
+            response = await session.post(str(test_server.make_url("/v1/completions")), json={
+                "model": MODEL, "prompt": "hi", "max_tokens": 8, "temperature": 0, "stream": True})
+            assert response.status == 200
+            events = [line.removeprefix("data: ") for line in (await response.text()).splitlines() if line]
+            assert events[-1] == "[DONE]"
+            error = json.loads(events[-2])["error"]
+            assert error["type"] == "server_error" and "fell off the bus" in error["message"]
+    finally:
+        server.worker.stop()
+
+
+async def test_a_fault_outside_the_engine_is_a_counted_500(smollm2):
+    """A bug in the server itself (here: the tokenizer raising) answers in OpenAI's shape, is counted as
+    finished_reason="error" for the canary's error gate, and leaves the server serving."""
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from specserve_runtime.server.app import Server
+
+    class BrokenTokenizer:
+        def __init__(self, model):
+            self.model = model
+
+        def __getattr__(self, name):
+            return getattr(self.model, name)
+
+        def encode(self, text, raw=False):
+            if text == "boom":
+                raise KeyError("a tokenizer bug")
+            return self.model.encode(text, raw=raw)
+
+    server = Server(lambda: (BrokenTokenizer(smollm2), build_engine(smollm2, "ar")), MODEL, "ar", None)
+    metrics = server.metrics
+    try:
+        async with TestServer(server.app()) as test_server, aiohttp.ClientSession() as session:
+            url = str(test_server.make_url("/v1/completions"))
+            failed = await session.post(url, json={"model": MODEL, "prompt": "boom", "max_tokens": 2})
+            assert failed.status == 500
+            assert (await failed.json())["error"] == {"message": "internal error: KeyError", "type": "server_error",
+                                                      "param": None, "code": None}
+            assert metrics.of(metrics.success, finished_reason="error")._value.get() == 1
+            ok = await session.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            assert ok.status == 200
     finally:
         server.worker.stop()
 

@@ -12,6 +12,7 @@ steps, which takes the request out of the batch.
 import asyncio
 import concurrent.futures
 import json
+import logging
 import os
 import queue
 import sys
@@ -30,6 +31,8 @@ from ..metrics import Metrics
 from ..verify import SamplingParams
 from . import protocol
 from .protocol import ApiError
+
+log = logging.getLogger(__name__)
 
 _DONE = object()
 
@@ -265,6 +268,12 @@ class Server:
         except ApiError as exc:
             headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
             return web.json_response(exc.body(), status=exc.status, headers=headers)
+        except web.HTTPException:
+            raise  # aiohttp's own answers: 404 for an unknown path, 405, 413 for a body over the limit
+        except Exception as exc:  # a fault of this server: logged, answered in OpenAI's shape, counted for the canary
+            log.exception("%s %s failed", request.method, request.path)
+            self.metrics.of(self.metrics.success, finished_reason="error").inc()
+            return web.json_response(ApiError(500, f"internal error: {type(exc).__name__}").body(), status=500)
 
     async def health(self, request):
         return web.json_response({"status": "ok"})
@@ -286,14 +295,18 @@ class Server:
     async def _payload(self, request) -> dict:
         try:
             return await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
             raise ApiError(400, f"malformed JSON body: {exc}") from exc
 
-    def _engine_request(self, body: protocol.SamplingFields, prompt_ids: list[int], max_tokens: int | None) -> Request:
+    def _engine_request(self, body: protocol.SamplingFields, prompt_ids: list[int], max_tokens: int | None,
+                        prompt_field: str) -> Request:
         if body.model != self.served_name:
             raise ApiError(404, f"model {body.model!r} does not exist; this server serves {self.served_name!r}",
                            param="model", code="model_not_found")
         room = self.context_length - len(prompt_ids)
+        if room < 1:
+            raise ApiError(400, f"{prompt_field}: {len(prompt_ids)} prompt tokens leave no room to generate in the "
+                                f"context length {self.context_length}", param=prompt_field)
         max_tokens = room if max_tokens is None else max_tokens
         if max_tokens > room:
             raise ApiError(400, f"max_tokens {max_tokens} + {len(prompt_ids)} prompt tokens exceed the context "
@@ -305,12 +318,14 @@ class Server:
     async def completions(self, request):
         body = protocol.parse(protocol.CompletionRequest, await self._payload(request))
         prompt_ids = self.model.encode(body.prompt, raw=True)
-        return await self._respond(request, body, self._engine_request(body, prompt_ids, body.max_tokens), chat=False)
+        return await self._respond(request, body, self._engine_request(body, prompt_ids, body.max_tokens, "prompt"),
+                                   chat=False)
 
     async def chat_completions(self, request):
         body = protocol.parse(protocol.ChatCompletionRequest, await self._payload(request))
         prompt_ids = self.model.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
-        return await self._respond(request, body, self._engine_request(body, prompt_ids, body.token_limit()), chat=True)
+        return await self._respond(request, body, self._engine_request(body, prompt_ids, body.token_limit(), "messages"),
+                                   chat=True)
 
     async def _respond(self, http_request, body, engine_request: Request, chat: bool):
         if self.draining:
@@ -363,20 +378,24 @@ class Server:
         if chat:
             await send_chunk(protocol.chat_chunk(request_id, self.served_name, {"role": "assistant", "content": ""}, None))
         result = None
-        async for item in self._events(job):
-            if isinstance(item, Result):
-                result = item
-            else:  # an engine step
-                generated += len(item.token_ids)
-                delta = text.step(item.token_ids)
-                if delta:
-                    await send_chunk(chunk(delta))
-        generated = len(result.token_ids)
-        await send_chunk(chunk(text.finish(result.text), result.finish_reason))
-        if options.include_usage:
-            final = chunk("")
-            final["choices"], final["usage"] = [], protocol.usage(result.prompt_tokens, len(result.token_ids))
-            await send(final)
+        try:
+            async for item in self._events(job):
+                if isinstance(item, Result):
+                    result = item
+                else:  # an engine step
+                    generated += len(item.token_ids)
+                    delta = text.step(item.token_ids)
+                    if delta:
+                        await send_chunk(chunk(delta))
+        except ApiError as exc:  # the status line is out: the error is the stream's last event, as vLLM sends it
+            await send(exc.body())
+        else:
+            generated = len(result.token_ids)
+            await send_chunk(chunk(text.finish(result.text), result.finish_reason))
+            if options.include_usage:
+                final = chunk("")
+                final["choices"], final["usage"] = [], protocol.usage(result.prompt_tokens, len(result.token_ids))
+                await send(final)
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

@@ -2,9 +2,9 @@
 
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class ApiError(Exception):
@@ -17,21 +17,33 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
+def _unicode(value: str) -> str:
+    """JSON can carry a lone UTF-16 surrogate ("\\ud800"); no tokenizer can encode one."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"is not valid Unicode text ({exc.reason} at character {exc.start})") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False  # a last chunk with the request's usage
     continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk
 
 
 class SamplingFields(BaseModel):
-    # Unknown fields (user, logit_bias, ...) are ignored, as OpenAI-compatible servers do; the ones this server
-    # would have to answer differently are refused by name instead (_unsupported), not silently dropped.
+    # Unknown fields (user, ...) are ignored, as OpenAI-compatible servers do; the ones this server would have
+    # to answer differently are refused by name instead (REFUSED), not silently dropped.
     model_config = ConfigDict(extra="ignore")
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -67,7 +79,7 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str]
+    prompt: Text | list[Text]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
 
     @field_validator("prompt")
@@ -84,13 +96,13 @@ class CompletionRequest(SamplingFields):
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]  # a list of parts, as OpenAI's API and vLLM take it: text parts only
+    content: Text | list[TextPart]  # a list of parts, as OpenAI's API and vLLM take it: text parts only
 
     def text(self) -> str:
         """The message's text: its parts joined by newlines, as vLLM joins them."""
@@ -105,16 +117,48 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
 
+# OpenAI and vLLM fields that change the answer, which the embedded engine does not implement: each with the test
+# for "it asks for something" (a field at its no-op value, such as presence_penalty 0, is accepted).
+REFUSED = {
+    "echo": bool, "suffix": bool, "logit_bias": bool, "tools": bool, "functions": bool,
+    "best_of": lambda value: value not in (None, 1),
+    "presence_penalty": lambda value: value not in (None, 0),
+    "frequency_penalty": lambda value: value not in (None, 0),
+    "repetition_penalty": lambda value: value not in (None, 1),
+    "min_tokens": lambda value: value not in (None, 0),
+    "response_format": lambda value: value not in (None, {"type": "text"}),
+    "guided_json": bool, "guided_regex": bool, "guided_choice": bool, "guided_grammar": bool,
+    "structured_outputs": bool,
+}
+
+
 def parse(model: type[BaseModel], payload) -> BaseModel:
     if not isinstance(payload, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    for name, asks in REFUSED.items():
+        if name in payload and asks(payload[name]):
+            raise ApiError(400, f"{name}: the embedded engine does not support it (leave it out)", param=name)
     try:
         return model.model_validate(payload)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        message = first["msg"].removeprefix("Value error, ")
+        param, message = _first_error(exc)
         raise ApiError(400, f"{param}: {message}" if param else message, param=param) from exc
+
+
+_SHAPES = {"str", "int", "float", "bool", "list", "dict"}
+
+
+def _first_error(exc: ValidationError) -> tuple[str | None, str]:
+    """The first invalid field, named by its path in the request. A field that takes one of several shapes
+    (content: a string or a list of parts) fails once per shape; the deepest failure under it says most."""
+    def path(error) -> list[str]:  # without pydantic's names for the shapes tried ("str", "list[TextPart]")
+        return [str(p) for p in error["loc"] if isinstance(p, int) or (p.isidentifier() and p not in _SHAPES)]
+    errors = exc.errors()
+    first = path(errors[0])
+    under = [error for error in errors if path(error)[:len(first)] == first]
+    deepest = max(under, key=lambda error: len(path(error)))
+    return ".".join(path(deepest)) or None, deepest["msg"].removeprefix("Value error, ")
+
 
 
 def new_id(prefix: str) -> str:
