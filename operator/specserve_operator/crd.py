@@ -179,8 +179,8 @@ def reference_markdown() -> str:
     parts = [
         "# Configuration reference",
         (f"Generated from the CRD schemas (`operator/specserve_operator/api/`) by `{REFERENCE_COMMAND}`;"
-         " do not edit by hand. What the fields do: README.md (The operator, Canary rollouts,"
-         " Autoscaling) and [operations.md](operations.md)."),
+         " do not edit by hand. What the fields do: [how-it-works.md](how-it-works.md) and"
+         " [operations.md](operations.md)."),
         ("A type `[]T` is a list, `map[string]T` an object with free keys. A default of `{}` on an object means"
          " the API server fills in its fields' own defaults. Constraints are enforced at admission; so are the"
          " validation rules (CEL) listed under a table."),

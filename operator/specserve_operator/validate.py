@@ -27,10 +27,17 @@ class InputProblems(Exception):
 _SUBPATH = re.compile(r"^(?:Value error, )?([A-Za-z][\w.\[\]]*): (.*)$", re.S)
 
 
+# pydantic's names for the shapes a field of several types was tried as (a Quantity: int, then str).
+_SHAPE = re.compile(r"^(int|str|float|bool|list\[.*\]|dict\[.*\]|function-.*)$")
+
+
 def field_path(prefix: str, loc: tuple) -> str:
     path = prefix
     for part in loc:
-        path += f"[{part}]" if isinstance(part, int) else f".{part}"
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif not _SHAPE.match(part):
+            path += f".{part}"
     return path
 
 
@@ -45,13 +52,24 @@ def pydantic_problems(prefix: str, error: ValidationError) -> list[str]:
     return problems
 
 
+# A serving's Services and revisions are named <name>-stable, <name>-<8-digit revision hash>: a Service's name is a
+# DNS-1035 label (at most 63 characters), and the name is also a label value (as many).
+SERVING_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+MAX_SERVING_NAME = 63 - len("-12345678")
+
+
 def parse_serving(obj: dict) -> tuple[Serving | None, list[str]]:
     meta = obj.get("metadata") or {}
+    if not isinstance(meta, dict):
+        return None, ["metadata: must be an object"]
     problems = []
     if not meta.get("name"):
         problems.append("metadata.name: required")
+    elif not SERVING_NAME.match(meta["name"]) or len(meta["name"]) > MAX_SERVING_NAME:
+        problems.append(f"metadata.name: {meta['name']!r} must be lower-case letters, digits and '-', start with a letter, "
+                        f"and be at most {MAX_SERVING_NAME} characters: its Services and revisions are named after it")
     try:
-        spec = api.SpeculativeServingSpec.model_validate(obj.get("spec") or {})
+        spec = api.SpeculativeServingSpec.model_validate(obj.get("spec") or {}, by_name=False)
     except ValidationError as exc:
         return None, problems + pydantic_problems("spec", exc)
     problems += bundled_drafter_problems(spec)
@@ -84,9 +102,12 @@ def bundled_drafter_problems(spec: api.SpeculativeServingSpec) -> list[str]:
 
 
 def parse_profile(obj: dict) -> tuple[Profile | None, list[str]]:
-    name = (obj.get("metadata") or {}).get("name")
+    meta = obj.get("metadata") or {}
+    if not isinstance(meta, dict):
+        return None, ["metadata: must be an object"]
+    name = meta.get("name")
     try:
-        spec = api.ServingProfileSpec.model_validate(obj.get("spec") or {})
+        spec = api.ServingProfileSpec.model_validate(obj.get("spec") or {}, by_name=False)
     except ValidationError as exc:
         return None, pydantic_problems("spec", exc)
     if not name:

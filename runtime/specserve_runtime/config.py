@@ -120,11 +120,29 @@ def scheduled_tokens(schedule: list[BatchSizeRange], batch_size: int) -> int:
     return schedule[-1].num_speculative_tokens
 
 
+# The engine flags that the configuration sets (the model, its served name, the address, the speculation): extra
+# engine arguments that set one would override what the operator checked against the tenant's profile. vLLM's
+# parser reads --a_b as --a-b, --a.b=x as a key of --a's JSON, and, as argparse does, a unique prefix as the flag.
+RESERVED_ENGINE_FLAGS = ("--model", "--served-model-name", "--host", "--port", "--speculative-config", "--config")
+# The same rule for the CRD's CEL (whole flags; the prefixes are caught by reserved_flag_problems).
+RESERVED_ENGINE_FLAGS_RE = "^--(model|served[-_]model[-_]name|host|port|speculative[-_]config|config)([=.].*)?$"
+
+
+def reserved_flag_problems(args: list[str]) -> list[str]:
+    problems = []
+    for index, arg in enumerate(args):
+        name = arg.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
+        flag = next((f for f in RESERVED_ENGINE_FLAGS if len(name) > 2 and name.startswith("--") and f.startswith(name)), None)
+        if flag:
+            problems.append(f"[{index}] {arg!r}: {flag} is set from the serving's own fields, never from extra arguments")
+    return problems
+
+
 class RuntimeConfig(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
     model: str = Field(min_length=1, description="model id (vllm) or folder / default model name (embedded)")
-    model_uri: str | None = Field(None, description="where the model comes from: hf://, pvc://, s3://")
+    model_uri: str | None = Field(None, description="where the model comes from: hf:// or pvc://")
     served_name: str = Field(min_length=1)
     method: Literal["none", "ngram", "eagle3", "dflash"] = "none"
     drafter: str | None = None
@@ -140,6 +158,13 @@ class RuntimeConfig(BaseModel):
     # Every interface: in a pod, the kubelet's probes and the Service reach the pod's own address.
     host: str = Field("0.0.0.0", min_length=1)
     port: int = Field(DEFAULT_PORT, ge=1, le=65535)
+
+    @field_validator("engine_args")
+    @classmethod
+    def _not_reserved(cls, args: list[str]) -> list[str]:
+        if problems := reserved_flag_problems(args):
+            raise ValueError("; ".join(problems))
+        return args
 
     @field_validator("model_uri", "drafter")
     @classmethod

@@ -168,6 +168,15 @@ def _evaluate_cel(spec: dict) -> list[str]:
             {"minBatchSize": 1, "maxBatchSize": 4, "numSpeculativeTokens": 8},  # the stable drafts 7 at the most
             {"minBatchSize": 5, "numSpeculativeTokens": 1}]), "numSpeculativeTokensPerBatchSize: no range drafts more than "
                                                              "numSpeculativeTokens"),
+        *[(lambda s, args=args: s["runtime"].__setitem__("args", args), api.RESERVED_FLAG)
+          for args in [["--speculative-config", "{}"], ["--speculative_config.method", "ngram"], ["--port=1"],
+                       ["--served-model-name", "x"], ["--dtype", "half", "--config", "f.yaml"]]],
+        (lambda s: s["rollout"]["candidate"].__setitem__("runtime", {"args": ["--model", "x"]}), api.RESERVED_FLAG),
+        (lambda s: s["runtime"].__setitem__("resources", {"limits": {"nvidia.com/gpu": 8}}), api.TENANT_RESOURCES_ONLY),
+        (lambda s: s.__setitem__("speculationHealth", {"fallback": {"speculator": dict(s["speculator"])}}),
+         api.FALLBACK_DIFFERS),
+        (lambda s: s["rollout"]["candidate"].__setitem__("runtime", {"resources": {"requests": {"amd.com/gpu": 1}}}),
+         api.TENANT_RESOURCES_ONLY),
     ],
 )
 def test_cel_rules_and_model_validators_reject_the_same_specs(example_documents, mutate, message):

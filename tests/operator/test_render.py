@@ -362,6 +362,22 @@ def test_hourly_budget_caps_replicas(example_documents):
         (lambda s: s["model"].__setitem__("uri", "ftp://x"), "spec.model.uri: String should match pattern"),
         (lambda s: s["speculator"].__setitem__("method", "medusa"), "spec.speculator.method: Input should be"),
         (lambda s: s.__setitem__("replicaz", 3), "spec.replicaz: Extra inputs are not permitted"),
+        (lambda s: s["replicas"].__setitem__("max_replicas", 3), "spec.replicas.max_replicas: Extra inputs are not permitted"),
+        # A tenant's limits: extra engine arguments cannot change what the profile checked, resources cannot add
+        # accelerators; a flag abbreviated (vLLM's argparse takes a unique prefix) or written vLLM's other ways.
+        *[(lambda s, args=args: s["runtime"].__setitem__("args", ["--dtype", "half", *args]),
+           f"spec.runtime.args: [2] {args[0]!r}: {flag} is set from the serving's own fields")
+          for args, flag in [(["--speculative-config", '{"method":"ngram"}'], "--speculative-config"),
+                             (["--speculative_config.num_speculative_tokens", "60"], "--speculative-config"),
+                             (["--specul", "{}"], "--speculative-config"), (["--port=9999"], "--port"),
+                             (["--model", "other"], "--model"), (["--config", "serve.yaml"], "--config")]],
+        (lambda s: s["rollout"]["candidate"].__setitem__("runtime", {"args": ["--host", "::"]}),
+         "spec.rollout.candidate.runtime.args: [0] '--host': --host is set from the serving's own fields"),
+        (lambda s: s["runtime"].__setitem__("resources", {"limits": {"cpu": 4, "nvidia.com/gpu": 8}}),
+         "spec.runtime.resources.limits: nvidia.com/gpu: resources are cpu, memory, ephemeral-storage; accelerators "
+         "come from the ServingProfile"),
+        (lambda s: s["runtime"].__setitem__("resources", {"requests": {"cpu": [1]}}),
+         "spec.runtime.resources.requests.cpu: Input should be a valid integer"),  # no ".int": pydantic's shape name
     ],
 )
 def test_invalid_specs_name_the_field_path(example_documents, mutate, expected):
@@ -369,6 +385,24 @@ def test_invalid_specs_name_the_field_path(example_documents, mutate, expected):
     mutate(serving["spec"])
     result, problems = parse_serving(serving)
     assert result is None and any(p.startswith(expected) for p in problems), problems
+
+
+@pytest.mark.parametrize("name", ["qwen3.8b", "Qwen3-8b", "3b", "a" * 55, "a-"])
+def test_a_serving_name_that_its_services_and_revisions_cannot_carry_is_refused(example_documents, name):
+    serving = copy.deepcopy(next(d for d in example_documents if d["kind"] == "SpeculativeServing"))
+    serving["metadata"]["name"] = "a" * 54  # the longest: <name>-<8-digit revision hash> is 63 characters
+    assert parse_serving(serving)[1] == []
+    serving["metadata"]["name"] = name
+    assert parse_serving(serving) == (None, [
+        f"metadata.name: {name!r} must be lower-case letters, digits and '-', start with a letter, and be at most 54 "
+        f"characters: its Services and revisions are named after it"])
+
+
+def test_metadata_that_is_not_an_object_is_a_problem_not_a_crash(example_documents):
+    serving = copy.deepcopy(next(d for d in example_documents if d["kind"] == "SpeculativeServing"))
+    profile = copy.deepcopy(next(d for d in example_documents if d["kind"] == "ServingProfile"))
+    serving["metadata"] = profile["metadata"] = "qwen3-8b"
+    assert parse_serving(serving) == parse_profile(profile) == (None, ["metadata: must be an object"])
 
 
 def test_profile_rules(example_documents):

@@ -144,3 +144,13 @@ def test_launch_refuses_such_a_folder_before_vllm_starts(tmp_path, monkeypatch, 
     assert cli.main(["launch", "--config", str(tmp_path / "runtime.yaml")]) == 0
     (command,) = started
     assert command[1][command[1].index("--speculative-config") + 1].startswith('{"method":"eagle3"')
+
+
+def test_a_runtime_config_cannot_set_its_own_flags_again_through_engine_args():
+    """The launcher appends engine_args last, where vLLM takes the last value given: the configuration's model,
+    address and speculation (which the operator checked against the tenant's profile) stay as set."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=r"\[1\] '--speculative-config': --speculative-config is set from"):
+        RuntimeConfig(model="m", served_name="m", engine="vllm", engine_args=["--dtype=half", "--speculative-config", "{}"])
+    assert RuntimeConfig(model="m", served_name="m", engine_args=["--dtype", "half"]).engine_args == ["--dtype", "half"]

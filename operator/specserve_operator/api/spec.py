@@ -1,10 +1,11 @@
 """The SpeculativeServing and ServingProfile specs: what tenants and platform teams write."""
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
-from specserve_runtime.config import BUNDLED_DRAFTERS, MAX_PROMPT_LOOKUP, BatchSizeRange, schedule_problems
+from specserve_runtime.config import (BUNDLED_DRAFTERS, MAX_PROMPT_LOOKUP, RESERVED_ENGINE_FLAGS_RE, BatchSizeRange,
+                                      reserved_flag_problems, schedule_problems)
 
 GROUP, VERSION = "specserve.io", "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -33,6 +34,8 @@ def cel(rule: str, message: str, field_path: str | None = None) -> dict:
 
 
 class Model(BaseModel):
+    # Python code builds models by field name; a resource is read by its camelCase keys only (validate.py), as the
+    # API server knows no others and would drop a snake_case key the operator had honoured.
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
 
@@ -56,7 +59,8 @@ class LabelSelector(Model):
 
 
 class Accelerator(Model):
-    resource_name: str = Field("nvidia.com/gpu", min_length=1)
+    resource_name: str = Field("nvidia.com/gpu", pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
+                               description="an extended resource, DOMAIN/NAME (nvidia.com/gpu, amd.com/gpu, google.com/tpu)")
     count: int = Field(1, ge=0, le=16, description="accelerators per replica")
     price_per_hour_usd: float = Field(alias="pricePerHourUSD", ge=0, description="per accelerator")
     node_selector: dict[str, str] = {}
@@ -128,7 +132,7 @@ class Speculator(Model):
     )
     method: Method = "none"
     draft_model: str | None = Field(
-        None, pattern=DRAFT_MODEL_URI, description="hf://, pvc://, s3://, or bundled://NAME: a drafter the runtime images embed"
+        None, pattern=DRAFT_MODEL_URI, description="hf://, pvc://, or bundled://NAME: a drafter the runtime images embed"
     )
     num_speculative_tokens: int | None = Field(
         None, ge=1, le=64, description="drafts per step; default: the drafter's own (dflash: block size - 1)"
@@ -169,9 +173,45 @@ class Speculator(Model):
         return ["draftTree"] * bool(self.draft_tree) + ["promptLookup"] * bool(self.prompt_lookup)
 
 
+# What a tenant may ask of a pod; accelerators (and their count, which the profile prices) come from the profile.
+TENANT_RESOURCES = ("cpu", "memory", "ephemeral-storage")
+TENANT_RESOURCES_ONLY = f"resources are {', '.join(TENANT_RESOURCES)}; accelerators come from the ServingProfile"
+RESERVED_FLAG = "args may not set --model, --served-model-name, --host, --port, --speculative-config or --config"
+
+
+def _tenant_resources():
+    allowed = ", ".join(f"'{name}'" for name in TENANT_RESOURCES)
+    return Field({}, max_length=len(TENANT_RESOURCES), json_schema_extra={"x-kubernetes-validations": [
+        cel(f"self.all(name, name in [{allowed}])", TENANT_RESOURCES_ONLY)]})
+
+
 class Resources(Model):
-    requests: dict[str, Quantity] = {}
-    limits: dict[str, Quantity] = {}
+    requests: dict[str, Quantity] = _tenant_resources()
+    limits: dict[str, Quantity] = _tenant_resources()
+
+    @field_validator("requests", "limits")
+    @classmethod
+    def _tenant_only(cls, quantities: dict) -> dict:
+        if others := sorted(set(quantities) - set(TENANT_RESOURCES)):
+            raise ValueError(f"{', '.join(others)}: {TENANT_RESOURCES_ONLY}")
+        return quantities
+
+
+MAX_ENGINE_ARGS = 64
+EngineArg = Annotated[str, Field(max_length=4096)]
+
+
+def _engine_args(default):
+    # Bounded, as the API server needs to bound its rule's cost.
+    return Field(default, max_length=MAX_ENGINE_ARGS, description="extra engine arguments, passed as a list, never through a shell; not the "
+                 "flags that the serving's fields set", json_schema_extra={"x-kubernetes-validations": [
+                     cel(f"self.all(arg, !arg.matches('{RESERVED_ENGINE_FLAGS_RE}'))", RESERVED_FLAG)]})
+
+
+def _not_reserved(args: list[str] | None) -> list[str] | None:
+    if problems := reserved_flag_problems(args or []):
+        raise ValueError("; ".join(problems))
+    return args
 
 
 class RuntimeSpec(Model):
@@ -179,8 +219,10 @@ class RuntimeSpec(Model):
     image: str | None = Field(
         None, min_length=1, description=f"default: the engine's image ({RUNTIME_IMAGES['vllm']}, {RUNTIME_IMAGES['embedded']})"
     )
-    args: list[str] = Field([], description="extra engine arguments, passed as a list, never through a shell")
+    args: list[EngineArg] = _engine_args([])
     resources: Resources = Resources()
+
+    _args = field_validator("args")(_not_reserved)
 
 
 class RuntimeOverride(Model):
@@ -188,8 +230,10 @@ class RuntimeOverride(Model):
 
     engine: Literal["vllm", "embedded"] | None = None
     image: str | None = Field(None, min_length=1)
-    args: list[str] | None = None
+    args: list[EngineArg] | None = _engine_args(None)
     resources: Resources | None = None
+
+    _args = field_validator("args")(_not_reserved)
 
 
 class Replicas(Model):
@@ -216,6 +260,7 @@ class Autoscaling(Model):
 
 
 FALLBACK_IS_SIMPLE = "a fallback speculator drafts chains on its own: no draftTree, no promptLookup"
+FALLBACK_DIFFERS = "the fallback speculator is spec.speculator itself: nothing to fall back to"
 
 
 class Fallback(Model):
@@ -374,6 +419,9 @@ class SpeculativeServingSpec(Model):
         json_schema_extra={
             "x-kubernetes-validations": _embedded_only_rules("draftTree", "false", TREE_NEEDS_EMBEDDED)
             + _embedded_only_rules("promptLookup", "0", LOOKUP_NEEDS_EMBEDDED)
+            + [cel("!has(self.speculationHealth) || !has(self.speculationHealth.fallback) || "
+                   "self.speculationHealth.fallback.speculator != self.speculator", FALLBACK_DIFFERS,
+                   ".speculationHealth.fallback.speculator")]
         }
     )
     profile: str = Field(min_length=1, description="a ServingProfile that selects this namespace")
@@ -395,4 +443,7 @@ class SpeculativeServingSpec(Model):
         if candidate and ((candidate.runtime.engine if candidate.runtime else None) or self.runtime.engine) != "embedded":
             for field in candidate.speculator.embedded_only():
                 raise ValueError(f"rollout.candidate.speculator.{field}: {EMBEDDED_ONLY[field]}")
+        fallback = self.speculation_health.fallback
+        if fallback and fallback.speculator == self.speculator:
+            raise ValueError(f"speculationHealth.fallback.speculator: {FALLBACK_DIFFERS}")
         return self
