@@ -127,6 +127,8 @@ def test_sampling_with_a_seed_is_reproducible(client):
         ({"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo: the embedded engine does not support it"),
         ({"model": MODEL, "prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty: the embedded engine"),
         ({"model": MODEL, "prompt": [1, 2]}, 400, "prompt.0: Input should be a valid string"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": True}, 400, "max_tokens: Input should be a valid integer"),
+        ({"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream: Input should be a valid boolean"),
     ],
 )
 def test_bad_requests_get_openai_errors(server, payload, status, fragment):

@@ -59,8 +59,7 @@ class LabelSelector(Model):
 
 
 class Accelerator(Model):
-    resource_name: str = Field("nvidia.com/gpu", pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
-                               description="an extended resource, DOMAIN/NAME (nvidia.com/gpu, amd.com/gpu, google.com/tpu)")
+    resource_name: str = Field("nvidia.com/gpu", min_length=1)
     count: int = Field(1, ge=0, le=16, description="accelerators per replica")
     price_per_hour_usd: float = Field(alias="pricePerHourUSD", ge=0, description="per accelerator")
     node_selector: dict[str, str] = {}

@@ -36,8 +36,9 @@ class StreamOptions(BaseModel):
 
 class SamplingFields(BaseModel):
     # Unknown fields (user, ...) are ignored, as OpenAI-compatible servers do; the ones this server would have
-    # to answer differently are refused by name instead (REFUSED), not silently dropped.
-    model_config = ConfigDict(extra="ignore")
+    # to answer differently are refused by name instead (REFUSED), not silently dropped. Strict, as OpenAI's API
+    # is: "4" is not a number of tokens, nor true one.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
