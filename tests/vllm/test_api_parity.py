@@ -39,13 +39,15 @@ STREAMS = [
                                           "stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
     ("completion", COMPLETIONS, {**GREEDY, "prompt": "Hi", "stream": True}),
 ]
-# vLLM answers 200, the embedded engine 400 naming the field: it returns one choice per request and no
-# log-probabilities; a client that asks for them gets an error, not a response without them.
+# vLLM answers 200, the embedded engine 400 naming the field: it returns one choice per request, no
+# log-probabilities, no echo and no penalties; a client that asks for them gets an error, not an answer without them.
 EMBEDDED_REFUSES = [
     ("n of 2, sampled", CHAT, {"model": SERVED, "messages": HI, "n": 2, "temperature": 0.8, "max_tokens": 8}, "n"),
     ("two prompts", COMPLETIONS, {**GREEDY, "prompt": ["Hi", "Yo"]}, "prompt"),
     ("chat logprobs", CHAT, {**GREEDY, "messages": HI, "logprobs": True, "top_logprobs": 2}, "logprobs"),
     ("completion logprobs", COMPLETIONS, {**GREEDY, "prompt": "Hi", "logprobs": 2}, "logprobs"),
+    ("echo", COMPLETIONS, {**GREEDY, "prompt": "Hi", "echo": True}, "echo"),
+    ("a presence penalty", CHAT, {**GREEDY, "messages": HI, "presence_penalty": 0.5}, "presence_penalty"),
 ]
 # Fields only vLLM returns: its own extensions, and OpenAI's optional ones for features the embedded engine does
 # not have (refusals, audio, tool calls, reasoning, service tiers, token details).
