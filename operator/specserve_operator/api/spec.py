@@ -201,10 +201,11 @@ EngineArg = Annotated[str, Field(max_length=4096)]
 
 
 def _engine_args(default):
-    # Bounded, as the API server needs to bound its rule's cost.
-    return Field(default, max_length=MAX_ENGINE_ARGS, description="extra engine arguments, passed as a list, never through a shell; not the "
-                 "flags that the serving's fields set", json_schema_extra={"x-kubernetes-validations": [
-                     cel(f"self.all(arg, !arg.matches('{RESERVED_ENGINE_FLAGS_RE}'))", RESERVED_FLAG)]})
+    rule = cel(f"self.all(arg, !arg.matches('{RESERVED_ENGINE_FLAGS_RE}'))", RESERVED_FLAG)
+    return Field(default, max_length=MAX_ENGINE_ARGS,  # bounded: the API server bounds a rule's cost
+                 description="extra engine arguments, passed as a list, never through a shell; not the flags that "
+                             "the serving's fields set",
+                 json_schema_extra={"x-kubernetes-validations": [rule]})
 
 
 def _not_reserved(args: list[str] | None) -> list[str] | None:
