@@ -124,18 +124,23 @@ def scheduled_tokens(schedule: list[BatchSizeRange], batch_size: int) -> int:
 # engine arguments that set one would override what the operator checked against the tenant's profile. vLLM's
 # parser reads --a_b as --a-b, --a.b=x as a key of --a's JSON, and, as argparse does, a unique prefix as the flag.
 RESERVED_ENGINE_FLAGS = ("--model", "--served-model-name", "--host", "--port", "--speculative-config", "--config")
-# The same rule for the CRD's CEL (whole flags; the prefixes are caught by reserved_flag_problems).
-RESERVED_ENGINE_FLAGS_RE = "^--(model|served[-_]model[-_]name|host|port|speculative[-_]config|config)([=.].*)?$"
+# The same rule for the CRD's CEL (whole flags; the prefixes are caught by refuse_reserved_flags).
+RESERVED_ENGINE_FLAGS_RE = f"^--({'|'.join(f[2:].replace('-', '[-_]') for f in RESERVED_ENGINE_FLAGS)})([=.].*)?$"
 
 
-def reserved_flag_problems(args: list[str]) -> list[str]:
+def refuse_reserved_flags(args: list[str] | None) -> list[str] | None:
+    """A field validator for extra engine arguments: every one that sets a reserved flag, named."""
     problems = []
-    for index, arg in enumerate(args):
+    for index, arg in enumerate(args or []):
         name = arg.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
-        flag = next((f for f in RESERVED_ENGINE_FLAGS if len(name) > 2 and name.startswith("--") and f.startswith(name)), None)
-        if flag:
-            problems.append(f"[{index}] {arg!r}: {flag} is set from the serving's own fields, never from extra arguments")
-    return problems
+        if len(name) > 2 and name.startswith("--"):
+            flag = next((f for f in RESERVED_ENGINE_FLAGS if f.startswith(name)), None)
+            if flag:
+                problems.append(f"[{index}] {arg!r}: {flag} is set from the serving's own fields, never from extra "
+                                "arguments")
+    if problems:
+        raise ValueError("; ".join(problems))
+    return args
 
 
 class RuntimeConfig(BaseModel):
@@ -159,12 +164,7 @@ class RuntimeConfig(BaseModel):
     host: str = Field("0.0.0.0", min_length=1)
     port: int = Field(DEFAULT_PORT, ge=1, le=65535)
 
-    @field_validator("engine_args")
-    @classmethod
-    def _not_reserved(cls, args: list[str]) -> list[str]:
-        if problems := reserved_flag_problems(args):
-            raise ValueError("; ".join(problems))
-        return args
+    _engine_args = field_validator("engine_args")(refuse_reserved_flags)
 
     @field_validator("model_uri", "drafter")
     @classmethod

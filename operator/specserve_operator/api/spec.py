@@ -5,7 +5,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 from specserve_runtime.config import (BUNDLED_DRAFTERS, MAX_PROMPT_LOOKUP, RESERVED_ENGINE_FLAGS_RE, BatchSizeRange,
-                                      reserved_flag_problems, schedule_problems)
+                                      refuse_reserved_flags, schedule_problems)
 
 GROUP, VERSION = "specserve.io", "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -208,12 +208,6 @@ def _engine_args(default):
                  json_schema_extra={"x-kubernetes-validations": [rule]})
 
 
-def _not_reserved(args: list[str] | None) -> list[str] | None:
-    if problems := reserved_flag_problems(args or []):
-        raise ValueError("; ".join(problems))
-    return args
-
-
 class RuntimeSpec(Model):
     engine: Literal["vllm", "embedded"] = "vllm"
     image: str | None = Field(
@@ -222,7 +216,7 @@ class RuntimeSpec(Model):
     args: list[EngineArg] = _engine_args([])
     resources: Resources = Resources()
 
-    _args = field_validator("args")(_not_reserved)
+    _args = field_validator("args")(refuse_reserved_flags)
 
 
 class RuntimeOverride(Model):
@@ -233,7 +227,7 @@ class RuntimeOverride(Model):
     args: list[EngineArg] | None = _engine_args(None)
     resources: Resources | None = None
 
-    _args = field_validator("args")(_not_reserved)
+    _args = field_validator("args")(refuse_reserved_flags)
 
 
 class Replicas(Model):
