@@ -120,7 +120,7 @@ def autoscaled_serving() -> tuple[api.SpeculativeServingSpec, api.ServingProfile
         "profile": "p", "model": {"name": "m", "uri": "hf://m", "servedName": "m"},
         "replicas": {"min": 1, "max": 10}, "autoscaling": {"enabled": True}})
     profile = api.ServingProfileSpec.model_validate({
-        "tenant": "t", "accelerator": {"pricePerHourUSD": 2.0}, "slo": {"p99InterTokenLatencyMs": 40}})
+        "tenant": "t", "namespaceSelector": {}, "accelerator": {"pricePerHourUSD": 2.0}, "slo": {"p99InterTokenLatencyMs": 40}})
     return spec, profile
 
 
@@ -242,7 +242,7 @@ def test_the_budget_is_a_wall_and_says_so():
     spec = api.SpeculativeServingSpec.model_validate({
         "profile": "p", "model": {"name": "m", "uri": "hf://m", "servedName": "m"}, "replicas": {"min": 1, "max": 20}})
     profile = api.ServingProfileSpec.model_validate({
-        "tenant": "t", "accelerator": {"pricePerHourUSD": 3.0}, "limits": {"maxReplicas": 20, "maxHourlyCostUSD": 15}})
+        "tenant": "t", "namespaceSelector": {}, "accelerator": {"pricePerHourUSD": 3.0}, "limits": {"maxReplicas": 20, "maxHourlyCostUSD": 15}})
     bounds = limits(spec, profile, canary=False)
     assert (bounds.low, bounds.high, bounds.budget_cap) == (1, 5, 5)
     decision = decide(5, rps(60.0), [capacity()], SLO, bounds, NO_WAIT, [], T0)
@@ -413,7 +413,7 @@ def test_a_rising_demand_is_planned_for_a_start_up_ahead_and_a_falling_one_is_no
         "profile": "p", "model": {"name": "m", "uri": "hf://m", "servedName": "m"},
         "replicas": {"min": 1, "max": 40}, "autoscaling": {"enabled": True, "scaleUpStabilizationSeconds": 60}})
     profile = api.ServingProfileSpec.model_validate({
-        "tenant": "t", "accelerator": {"pricePerHourUSD": 2.0}, "slo": {"p99InterTokenLatencyMs": 40}})
+        "tenant": "t", "namespaceSelector": {}, "accelerator": {"pricePerHourUSD": 2.0}, "slo": {"p99InterTokenLatencyMs": 40}})
     prior = {"abc": prior_points([{"concurrency": 1, "tokensPerSecondPerRequest": 100, "ttftMs": 50},
                                   {"concurrency": 8, "tokensPerSecondPerRequest": 50, "ttftMs": 200}])}
 

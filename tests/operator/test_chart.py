@@ -147,7 +147,8 @@ EVERYTHING_ON = {
     "autoscaleIntervalSeconds": 15,
     "replicaStartupSeconds": 300,
     "capacityPriors": PRIORS,
-    "profiles": {"team-a-h100": {"tenant": "team-a", "accelerator": {"pricePerHourUSD": 2.49},
+    "profiles": {"team-a-h100": {"tenant": "team-a", "namespaceSelector": {"matchLabels": {"specserve.io/tenant": "team-a"}},
+                                 "accelerator": {"pricePerHourUSD": 2.49},
                                  "limits": {"maxReplicas": 8, "maxHourlyCostUSD": 40}}},
 }
 
@@ -223,6 +224,7 @@ def test_the_operator_pod_is_hardened(chart):
     ({"capacityPriors": {"dflash": {"curve": [{"concurrency": 1, "tokensPerSecond": 5, "ttftMs": 1}]}}}, "tokensPerSecond"),
     ({"resources": {"limits": {"gpu": 1}}}, "gpu"),
     ({"imagePullPolicy": "Always"}, "imagePullPolicy"),
+    ({"profiles": {"team-a": {"tenant": "team-a", "accelerator": {"pricePerHourUSD": 2.49}}}}, "namespaceSelector"),
 ])
 def test_helm_refuses_wrong_values_by_name(chart, values, named):
     with pytest.raises(helm_python.HelmValuesError) as caught:

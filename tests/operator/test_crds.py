@@ -12,7 +12,7 @@ from jsonschema import Draft4Validator
 from specserve_operator import api
 from specserve_operator.apply import RBAC_RULES, cluster_role
 from specserve_operator.crd import all_crds, render_yaml
-from specserve_operator.validate import parse_serving
+from specserve_operator.validate import parse_profile, parse_serving
 
 CRD_DIR = Path("crds")
 
@@ -98,14 +98,27 @@ def test_invalid_examples_are_rejected_by_the_schema(example_documents, mutate):
 
 
 def _cel_rules(schema: dict, path=()):
+    """(path, rule) of every CEL rule under the schema; "[]" in a path stands for each item of a list."""
     for rule in schema.get("x-kubernetes-validations", []):
         yield path, rule
     for name, child in (schema.get("properties") or {}).items():
         yield from _cel_rules(child, path + (name,))
+    if "items" in schema:
+        yield from _cel_rules(schema["items"], path + ("[]",))
 
 
-def _evaluate_cel(spec: dict) -> list[str]:
-    """Run every CEL rule of the spec schema on the spec, as the API server would (K8s list helpers added)."""
+def _nodes(node, path):
+    if not path:
+        yield node
+    elif path[0] == "[]":
+        for item in node if isinstance(node, list) else []:
+            yield from _nodes(item, path[1:])
+    elif isinstance(node, dict) and path[0] in node:
+        yield from _nodes(node[path[0]], path[1:])
+
+
+def _evaluate_cel(spec: dict, kind: str = "SpeculativeServing") -> list[str]:
+    """Run every CEL rule of the kind's spec schema on the spec, as the API server would (K8s list helpers added)."""
     environment = celpy.Environment()
 
     def is_sorted(values):
@@ -113,15 +126,11 @@ def _evaluate_cel(spec: dict) -> list[str]:
         return celpy.celtypes.BoolType(all(a <= b for a, b in zip(values, values[1:])))
 
     failures = []
-    for path, rule in _cel_rules(crd_schema("SpeculativeServing")["properties"]["spec"]):
-        node = spec
-        for key in path:
-            node = node.get(key) if isinstance(node, dict) else None
-        if node is None:
-            continue
+    for path, rule in _cel_rules(crd_schema(kind)["properties"]["spec"]):
         program = environment.program(environment.compile(rule["rule"]), functions={"isSorted": is_sorted})
-        if not program.evaluate({"self": celpy.json_to_cel(node)}):
-            failures.append(rule["message"])
+        for node in _nodes(spec, path):
+            if not program.evaluate({"self": celpy.json_to_cel(node)}):
+                failures.append(rule["message"])
     return failures
 
 
@@ -185,6 +194,35 @@ def test_cel_rules_and_model_validators_reject_the_same_specs(example_documents,
     mutate(serving["spec"])
     assert message in _evaluate_cel(serving["spec"])
     assert parse_serving(serving)[1], "the operator's own validation rejects it too"
+
+
+@pytest.mark.parametrize(
+    "expression, message",
+    [
+        ({"key": "specserve.io/tier", "operator": "In"}, api.SELECTOR_SET_NEEDS_VALUES),
+        ({"key": "specserve.io/tier", "operator": "NotIn", "values": []}, api.SELECTOR_SET_NEEDS_VALUES),
+        ({"key": "specserve.io/tier", "operator": "Exists", "values": ["gold"]}, api.SELECTOR_PRESENCE_TAKES_NO_VALUES),
+    ],
+)
+def test_a_namespace_selector_requirement_is_checked_as_kubernetes_checks_it(example_documents, expression, message):
+    profile = copy.deepcopy(next(d for d in example_documents if d["kind"] == "ServingProfile"))
+    profile["spec"]["namespaceSelector"]["matchExpressions"] = [{"key": "specserve.io/tier", "operator": "In",
+                                                                 "values": ["gold"]}]
+    assert _evaluate_cel(profile["spec"], "ServingProfile") == [] and parse_profile(profile)[1] == []
+    profile["spec"]["namespaceSelector"]["matchExpressions"] = [expression]
+    assert _evaluate_cel(profile["spec"], "ServingProfile") == [message]
+    assert parse_profile(profile)[1] == [f"spec.namespaceSelector.matchExpressions[0].{message}"]
+
+
+def test_a_profile_must_say_which_namespaces_it_serves(example_documents):
+    """A forgotten selector would let every namespace spend this tenant's accelerators and budget."""
+    profile = copy.deepcopy(next(d for d in example_documents if d["kind"] == "ServingProfile"))
+    del profile["spec"]["namespaceSelector"]
+    assert [e.message for e in Draft4Validator(crd_schema("ServingProfile")).iter_errors(profile)] == [
+        "'namespaceSelector' is a required property"]
+    assert parse_profile(profile)[1] == ["spec.namespaceSelector: Field required"]
+    profile["spec"]["namespaceSelector"] = {}  # every namespace, said out loud
+    assert parse_profile(profile)[1] == []
 
 
 def test_a_draft_tree_and_a_lookup_branch_are_accepted_where_the_engine_is_embedded(example_documents):

@@ -47,10 +47,30 @@ class Toleration(Model):
     toleration_seconds: int | None = None
 
 
+# Kubernetes' own rule for a label selector's requirement: a set test needs members, a presence test takes none.
+SELECTOR_SET_NEEDS_VALUES = "values: required (non-empty) with operator In or NotIn"
+SELECTOR_PRESENCE_TAKES_NO_VALUES = "values: must be empty with operator Exists or DoesNotExist"
+
+
 class LabelSelectorRequirement(Model):
-    key: str
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        cel("!(self.operator in ['In', 'NotIn']) || (has(self.values) && size(self.values) > 0)",
+            SELECTOR_SET_NEEDS_VALUES, ".values"),
+        cel("!(self.operator in ['Exists', 'DoesNotExist']) || !has(self.values) || size(self.values) == 0",
+            SELECTOR_PRESENCE_TAKES_NO_VALUES, ".values"),
+    ]})
+
+    key: str = Field(min_length=1)
     operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
     values: list[str] = []
+
+    @model_validator(mode="after")
+    def values_match_operator(self):
+        if self.operator in ("In", "NotIn") and not self.values:
+            raise ValueError(SELECTOR_SET_NEEDS_VALUES)
+        if self.operator in ("Exists", "DoesNotExist") and self.values:
+            raise ValueError(SELECTOR_PRESENCE_TAKES_NO_VALUES)
+        return self
 
 
 class LabelSelector(Model):
@@ -87,7 +107,9 @@ class Slo(Model):
 
 class ServingProfileSpec(Model):
     tenant: str = Field(pattern=DNS_LABEL, max_length=63)
-    namespace_selector: LabelSelector = LabelSelector()
+    namespace_selector: LabelSelector = Field(
+        description="which namespaces may use this profile; required, so that no profile serves every namespace by "
+        "omission ({} selects every namespace)")
     accelerator: Accelerator
     kueue: Kueue | None = None
     limits: ProfileLimits = ProfileLimits()

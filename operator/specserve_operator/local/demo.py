@@ -49,7 +49,7 @@ class Autoscaler:
             "autoscaling": {"enabled": True, "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 0},
         })
         self.profile = api.ServingProfileSpec.model_validate({
-            "tenant": "local", "accelerator": {"pricePerHourUSD": plan.price_per_hour},
+            "tenant": "local", "namespaceSelector": {}, "accelerator": {"pricePerHourUSD": plan.price_per_hour},
             "limits": {"maxReplicas": MAX_REPLICAS}})
         self.status = api.AutoscalingStatus()
         self.decisions: list[dict] = []

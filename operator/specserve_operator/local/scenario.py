@@ -124,12 +124,17 @@ class Fault(Strict):
                                         "error_rate": between(before.error_rate, after.error_rate), "curve": curve})
 
 
+class ScenarioProfile(api.ServingProfileSpec):
+    # The simulated serving lives in the simulator's own namespace, so a selector would select nothing of use.
+    namespace_selector: api.LabelSelector = api.LabelSelector()
+
+
 class Scenario(Strict):
     duration_seconds: float = Field(gt=0)
     seed: int = 0
     tick_seconds: float = Field(15.0, gt=0)
     startup_seconds: float = Field(120.0, ge=0)
-    profile: api.ServingProfileSpec
+    profile: ScenarioProfile
     serving: api.SpeculativeServingSpec
     load: Load
     performance: Performance
