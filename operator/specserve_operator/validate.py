@@ -1,4 +1,8 @@
-"""Validation of SpeculativeServings and ServingProfiles: every problem as 'field.path: message'."""
+"""Validation of SpeculativeServings and ServingProfiles: every problem as 'field.path: message'.
+
+A resource is read as the API server reads it: by its camelCase keys only, and strictly ("7" is no integer and
+"true" no boolean), so what `specserve render` accepts from a file is what the cluster would accept.
+"""
 
 import re
 import sys
@@ -69,7 +73,7 @@ def parse_serving(obj: dict) -> tuple[Serving | None, list[str]]:
         problems.append(f"metadata.name: {meta['name']!r} must be lower-case letters, digits and '-', start with a letter, "
                         f"and be at most {MAX_SERVING_NAME} characters: its Services and revisions are named after it")
     try:
-        spec = api.SpeculativeServingSpec.model_validate(obj.get("spec") or {}, by_name=False)
+        spec = api.SpeculativeServingSpec.model_validate(obj.get("spec") or {}, by_name=False, strict=True)
     except ValidationError as exc:
         return None, problems + pydantic_problems("spec", exc)
     problems += bundled_drafter_problems(spec)
@@ -107,7 +111,7 @@ def parse_profile(obj: dict) -> tuple[Profile | None, list[str]]:
         return None, ["metadata: must be an object"]
     name = meta.get("name")
     try:
-        spec = api.ServingProfileSpec.model_validate(obj.get("spec") or {}, by_name=False)
+        spec = api.ServingProfileSpec.model_validate(obj.get("spec") or {}, by_name=False, strict=True)
     except ValidationError as exc:
         return None, pydantic_problems("spec", exc)
     if not name:

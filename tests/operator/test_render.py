@@ -378,6 +378,9 @@ def test_hourly_budget_caps_replicas(example_documents):
          "come from the ServingProfile"),
         (lambda s: s["runtime"].__setitem__("resources", {"requests": {"cpu": [1]}}),
          "spec.runtime.resources.requests.cpu: Input should be a valid integer"),  # no ".int": pydantic's shape name
+        # Types as the API server reads them: a quoted number or boolean is a string.
+        (lambda s: s["replicas"].__setitem__("max", "4"), "spec.replicas.max: Input should be a valid integer"),
+        (lambda s: s["autoscaling"].__setitem__("enabled", "true"), "spec.autoscaling.enabled: Input should be a valid boolean"),
     ],
 )
 def test_invalid_specs_name_the_field_path(example_documents, mutate, expected):
