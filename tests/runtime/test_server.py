@@ -2,6 +2,7 @@
 bounded concurrency, disconnects, and the vLLM launcher's command lines."""
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -256,21 +257,32 @@ async def wait_for(condition, what: str, timeout: float = 30) -> None:
         await asyncio.sleep(0.01)
 
 
+@contextlib.asynccontextmanager
+async def served(server):
+    """The server in process on a free port: its /v1/completions URL and a client session; its worker
+    stopped afterwards, whatever the test did."""
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    try:
+        async with TestServer(server.app()) as test_server, aiohttp.ClientSession() as session:
+            yield str(test_server.make_url("/v1/completions")), session
+    finally:
+        server.worker.stop()
+
+
 async def test_full_queue_answers_429_and_disconnect_stops_generation(smollm2):
     """In process, with room for one request: a second concurrent one is refused, and a client that
     goes away mid-stream ends its generation (finished_reason abort) instead of running to max_tokens.
     The engine is held after its first step, so the slot is taken for certain while the second request
     arrives, and the request cannot finish on its own before the disconnect is seen."""
-    import aiohttp
-    from aiohttp.test_utils import TestServer
 
     from specserve_runtime.server.app import Server
 
     engine = HeldEngine(build_engine(smollm2, "ar"))
     server = Server(lambda: (smollm2, engine), MODEL, "ar", None, max_concurrency=1)
-    try:
-        async with TestServer(server.app()) as test_server, aiohttp.ClientSession() as session:
-            url = str(test_server.make_url("/v1/completions"))
+    async with served(server) as (url, session):
+        try:
             long_request = {"model": MODEL, "prompt": "Write a long essay about the sea.", "max_tokens": 2000,
                             "temperature": 0, "stream": True}
             response = await session.post(url, json=long_request)
@@ -289,9 +301,8 @@ async def test_full_queue_answers_429_and_disconnect_stops_generation(smollm2):
             assert aborted == 1 and generated < 2000
             ok = await session.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 4})
             assert ok.status == 200
-    finally:
-        engine.release.set()
-        server.worker.stop()
+        finally:
+            engine.release.set()
 
 
 class RecordingEngine(WrappedEngine):
@@ -311,8 +322,6 @@ class RecordingEngine(WrappedEngine):
 async def test_the_adaptive_draft_lengths_of_every_step_are_counted(smollm2):
     """specserve_spec_decode_draft_length_steps_total counts each step that decoded, by the length
     the adaptive rule chose; a prefill-only step chose nothing and is not counted."""
-    import aiohttp
-    from aiohttp.test_utils import TestServer
 
     from specserve_runtime.drafters import ProposerOptions
     from specserve_runtime.server.app import Server
@@ -320,15 +329,11 @@ async def test_the_adaptive_draft_lengths_of_every_step_are_counted(smollm2):
     engine = RecordingEngine(build_engine(smollm2, "ngram", ProposerOptions(num_speculative_tokens=3), adaptive=True))
     server = Server(lambda: (smollm2, engine), MODEL, "ngram", None, max_concurrency=1)
     metrics = server.metrics
-    try:
-        async with TestServer(server.app()) as test_server, aiohttp.ClientSession() as session:
-            url = str(test_server.make_url("/v1/completions"))
-            request = {"model": MODEL, "prompt": "Count: one two three, one two three, one two", "max_tokens": 24,
-                       "temperature": 0}
-            assert (await session.post(url, json=request)).status == 200
-            await wait_for(server.worker.idle.is_set, "the request to finish")
-    finally:
-        server.worker.stop()
+    async with served(server) as (url, session):
+        request = {"model": MODEL, "prompt": "Count: one two three, one two three, one two", "max_tokens": 24,
+                   "temperature": 0}
+        assert (await session.post(url, json=request)).status == 200
+        await wait_for(server.worker.idle.is_set, "the request to finish")
     assert engine.lengths[0] is None  # the prompt's step
     chosen = [length for length in engine.lengths if length is not None]
     assert len(chosen) >= 2 and set(chosen) <= {0, 1, 2, 3}
@@ -340,58 +345,45 @@ async def test_the_adaptive_draft_lengths_of_every_step_are_counted(smollm2):
 async def test_engine_failure_is_a_500_counted_as_finished_reason_error(smollm2):
     """An engine that raises mid-request: the client gets an OpenAI-style server error, the failure is
     counted in request_success_total{finished_reason="error"} with its latency, and the worker lives on."""
-    import aiohttp
-    from aiohttp.test_utils import TestServer
 
     from specserve_runtime.server.app import Server
 
     engine = FailingEngine(build_engine(smollm2, "ar"))
     server = Server(lambda: (smollm2, engine), MODEL, "ar", None, max_concurrency=1)
     metrics = server.metrics
-    try:
-        async with TestServer(server.app()) as test_server, aiohttp.ClientSession() as session:
-            url = str(test_server.make_url("/v1/completions"))
-            failed = await session.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 8, "temperature": 0})
-            assert failed.status == 500
-            error = (await failed.json())["error"]
-            assert error["type"] == "server_error" and "fell off the bus" in error["message"]
-            assert metrics.of(metrics.success, finished_reason="error")._value.get() == 1
-            assert metrics.registry.get_sample_value("vllm:e2e_request_latency_seconds_count", metrics.labels) == 1
-            assert metrics.of(metrics.running)._value.get() == 0
-            ok = await session.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 4, "temperature": 0})
-            assert ok.status == 200
-            assert metrics.of(metrics.success, finished_reason="error")._value.get() == 1
-            assert metrics.registry.get_sample_value("vllm:e2e_request_latency_seconds_count", metrics.labels) == 2
-    finally:
-        server.worker.stop()
+    async with served(server) as (url, session):
+        failed = await session.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 8, "temperature": 0})
+        assert failed.status == 500
+        error = (await failed.json())["error"]
+        assert error["type"] == "server_error" and "fell off the bus" in error["message"]
+        assert metrics.of(metrics.success, finished_reason="error")._value.get() == 1
+        assert metrics.registry.get_sample_value("vllm:e2e_request_latency_seconds_count", metrics.labels) == 1
+        assert metrics.of(metrics.running)._value.get() == 0
+        ok = await session.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 4, "temperature": 0})
+        assert ok.status == 200
+        assert metrics.of(metrics.success, finished_reason="error")._value.get() == 1
+        assert metrics.registry.get_sample_value("vllm:e2e_request_latency_seconds_count", metrics.labels) == 2
 
 
 async def test_a_stream_that_fails_ends_with_an_error_event(smollm2):
     """Once a stream's status line is out, a failure can only be an event: the error, then [DONE]."""
-    import aiohttp
-    from aiohttp.test_utils import TestServer
 
     from specserve_runtime.server.app import Server
 
     server = Server(lambda: (smollm2, FailingEngine(build_engine(smollm2, "ar"))), MODEL, "ar", None, max_concurrency=1)
-    try:
-        async with TestServer(server.app()) as test_server, aiohttp.ClientSession() as session:
-            response = await session.post(str(test_server.make_url("/v1/completions")), json={
-                "model": MODEL, "prompt": "hi", "max_tokens": 8, "temperature": 0, "stream": True})
-            assert response.status == 200
-            events = [line.removeprefix("data: ") for line in (await response.text()).splitlines() if line]
-            assert events[-1] == "[DONE]"
-            error = json.loads(events[-2])["error"]
-            assert error["type"] == "server_error" and "fell off the bus" in error["message"]
-    finally:
-        server.worker.stop()
+    async with served(server) as (url, session):
+        response = await session.post(url, json={
+            "model": MODEL, "prompt": "hi", "max_tokens": 8, "temperature": 0, "stream": True})
+        assert response.status == 200
+        events = [line.removeprefix("data: ") for line in (await response.text()).splitlines() if line]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["type"] == "server_error" and "fell off the bus" in error["message"]
 
 
 async def test_a_fault_outside_the_engine_is_a_counted_500(smollm2):
     """A bug in the server itself (here: the tokenizer raising) answers in OpenAI's shape, is counted as
     finished_reason="error" for the canary's error gate, and leaves the server serving."""
-    import aiohttp
-    from aiohttp.test_utils import TestServer
 
     from specserve_runtime.server.app import Server
 
@@ -409,25 +401,19 @@ async def test_a_fault_outside_the_engine_is_a_counted_500(smollm2):
 
     server = Server(lambda: (BrokenTokenizer(smollm2), build_engine(smollm2, "ar")), MODEL, "ar", None)
     metrics = server.metrics
-    try:
-        async with TestServer(server.app()) as test_server, aiohttp.ClientSession() as session:
-            url = str(test_server.make_url("/v1/completions"))
-            failed = await session.post(url, json={"model": MODEL, "prompt": "boom", "max_tokens": 2})
-            assert failed.status == 500
-            assert (await failed.json())["error"] == {"message": "internal error: KeyError", "type": "server_error",
-                                                      "param": None, "code": None}
-            assert metrics.of(metrics.success, finished_reason="error")._value.get() == 1
-            ok = await session.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
-            assert ok.status == 200
-    finally:
-        server.worker.stop()
+    async with served(server) as (url, session):
+        failed = await session.post(url, json={"model": MODEL, "prompt": "boom", "max_tokens": 2})
+        assert failed.status == 500
+        assert (await failed.json())["error"] == {"message": "internal error: KeyError", "type": "server_error",
+                                                  "param": None, "code": None}
+        assert metrics.of(metrics.success, finished_reason="error")._value.get() == 1
+        ok = await session.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert ok.status == 200
 
 
 async def test_a_request_frees_its_slot_before_its_answer_goes_out(smollm2, monkeypatch):
     """A client may send its next request the moment it has its answer; with max_concurrency 1 that
     request must find the slot free. (Freed after the answer, a fresh CI run saw its 429.)"""
-    import aiohttp
-    from aiohttp.test_utils import TestServer
 
     from specserve_runtime.server.app import _DONE, Server, Worker
 
@@ -447,16 +433,12 @@ async def test_a_request_frees_its_slot_before_its_answer_goes_out(smollm2, monk
     monkeypatch.setattr(Worker, "_emit", spy_emit)
     engine = FailingEngine(build_engine(smollm2, "ar"))
     server = Server(lambda: (smollm2, engine), MODEL, "ar", None, max_concurrency=1)
-    try:
-        async with TestServer(server.app()) as test_server, aiohttp.ClientSession() as session:
-            url = str(test_server.make_url("/v1/completions"))
-            statuses = []
-            for _ in range(3):  # the engine fails the first, then serves
-                response = await session.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 4})
-                statuses.append(response.status)
-            assert statuses == [500, 200, 200]
-    finally:
-        server.worker.stop()
+    async with served(server) as (url, session):
+        statuses = []
+        for _ in range(3):  # the engine fails the first, then serves
+            response = await session.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 4})
+            statuses.append(response.status)
+        assert statuses == [500, 200, 200]
     jobs = list(dict.fromkeys(job for _, job in order))
     assert len(jobs) == 3
     for job in jobs:
@@ -479,28 +461,22 @@ class RefusingEngine(WrappedEngine):
 
 async def test_a_request_that_cannot_start_fails_alone(smollm2):
     """While one request streams, another that cannot get its KV cache gets a 500; the first finishes."""
-    import aiohttp
-    from aiohttp.test_utils import TestServer
 
     from specserve_runtime.server.app import Server
 
     engine = RefusingEngine(build_engine(smollm2, "ar"), limit=8)
     server = Server(lambda: (smollm2, engine), MODEL, "ar", None)
     metrics = server.metrics
-    try:
-        async with TestServer(server.app()) as test_server, aiohttp.ClientSession() as session:
-            url = str(test_server.make_url("/v1/completions"))
-            streaming = await session.post(url, json={"model": MODEL, "prompt": "The sea", "max_tokens": 24,
-                                                      "temperature": 0, "stream": True})
-            assert streaming.status == 200
-            long_prompt = {"model": MODEL, "prompt": "one two three four five six seven eight nine ten",
-                           "max_tokens": 4, "temperature": 0}
-            failed = await session.post(url, json=long_prompt)
-            assert failed.status == 500 and "no room for its KV cache" in (await failed.json())["error"]["message"]
-            body = (await streaming.read()).decode()
-            assert body.endswith("data: [DONE]\n\n")
-    finally:
-        server.worker.stop()
+    async with served(server) as (url, session):
+        streaming = await session.post(url, json={"model": MODEL, "prompt": "The sea", "max_tokens": 24,
+                                                  "temperature": 0, "stream": True})
+        assert streaming.status == 200
+        long_prompt = {"model": MODEL, "prompt": "one two three four five six seven eight nine ten",
+                       "max_tokens": 4, "temperature": 0}
+        failed = await session.post(url, json=long_prompt)
+        assert failed.status == 500 and "no room for its KV cache" in (await failed.json())["error"]["message"]
+        body = (await streaming.read()).decode()
+        assert body.endswith("data: [DONE]\n\n")
     finished = {reason: metrics.of(metrics.success, finished_reason=reason)._value.get()
                 for reason in ("stop", "length", "abort", "error")}
     assert finished["error"] == 1 and finished["stop"] + finished["length"] == 1 and finished["abort"] == 0
@@ -524,8 +500,6 @@ async def test_concurrent_requests_are_decoded_in_one_batch_and_answer_as_if_alo
     """Six requests at once with room for four in the batch: the first step holds until all six are
     admitted, so the next step batches four of them and the last two join as the first ones finish.
     Every answer is the text that request gets alone."""
-    import aiohttp
-    from aiohttp.test_utils import TestServer
 
     from specserve_runtime.server.app import Server
 
@@ -534,9 +508,8 @@ async def test_concurrent_requests_are_decoded_in_one_batch_and_answer_as_if_alo
     engine = GatedEngine(build_engine(smollm2, "ngram"))
     server = Server(lambda: (smollm2, engine), MODEL, "ngram", None, max_concurrency=6, max_num_seqs=4)
     metrics = server.metrics
-    try:
-        async with TestServer(server.app()) as test_server, aiohttp.ClientSession() as session:
-            url = str(test_server.make_url("/v1/completions"))
+    async with served(server) as (url, session):
+        try:
 
             async def complete(prompt, limit):
                 body = {"model": MODEL, "prompt": prompt, "max_tokens": limit, "temperature": 0}
@@ -549,9 +522,8 @@ async def test_concurrent_requests_are_decoded_in_one_batch_and_answer_as_if_alo
             assert metrics.of(metrics.waiting)._value.get() == 6 - engine.sizes[0]  # the rest wait their turn
             engine.open.set()
             texts = await answers
-    finally:
-        engine.open.set()
-        server.worker.stop()
+        finally:
+            engine.open.set()
     assert max(engine.sizes) == 4  # batched, never past max_num_seqs
     assert texts == [ar_text(smollm2, prompt, limit) for prompt, limit in zip(prompts, limits)]
     assert metrics.of(metrics.running)._value.get() == 0 and metrics.of(metrics.waiting)._value.get() == 0
@@ -561,8 +533,6 @@ async def test_concurrent_requests_are_decoded_in_one_batch_and_answer_as_if_alo
 async def test_the_model_loads_and_every_step_runs_in_the_engine_thread(smollm2):
     """One thread does all of the server's torch work: a second OpenMP team, from loading the model in
     another thread, made every served step half as slow again (server/app.py, Worker)."""
-    import aiohttp
-    from aiohttp.test_utils import TestServer
 
     from specserve_runtime.server.app import Server
 
@@ -573,13 +543,9 @@ async def test_the_model_loads_and_every_step_runs_in_the_engine_thread(smollm2)
         return smollm2, engine
 
     server = Server(load, MODEL, "ar", None)
-    try:
-        async with TestServer(server.app()) as test_server, aiohttp.ClientSession() as session:
-            url = str(test_server.make_url("/v1/completions"))
-            response = await session.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 4})
-            assert response.status == 200
-    finally:
-        server.worker.stop()
+    async with served(server) as (url, session):
+        response = await session.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 4})
+        assert response.status == 200
     engine_thread = server.worker.thread.ident
     assert engine_thread != threading.get_ident()
     assert loaded_in == [engine_thread] and engine.threads == {engine_thread}
