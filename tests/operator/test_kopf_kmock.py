@@ -214,6 +214,22 @@ async def test_invalid_update_leaves_what_serves_untouched(operator, serving, pr
     assert len(operator.objects[DEPLOYMENTS, "team-a", deployment].history) == versions_before
 
 
+async def test_a_profile_that_names_no_namespaces_invalidates_its_servings_and_touches_nothing(operator, serving, profile,
+                                                                                           reconciles):
+    """As a profile stored under an older CRD, without namespaceSelector: its servings say why, and serve on."""
+    await create(operator, profile)
+    await create(operator, with_uid(serving))
+    deployment = (await eventually(lambda: live(operator, DEPLOYMENTS)))[0]
+    versions_before = len(operator.objects[DEPLOYMENTS, "team-a", deployment].history)
+    await merge_patch(operator, profile, {"spec": {"namespaceSelector": None}})
+    status = await eventually(lambda: status_of(operator).get("phase") == "Invalid" and status_of(operator))
+    assert ("spec.profile: ServingProfile 'team-a-h100' is invalid (spec.namespaceSelector: Field required)"
+            in str(status["conditions"]))
+    await reconciles.more()
+    assert live(operator, DEPLOYMENTS) == [deployment]
+    assert len(operator.objects[DEPLOYMENTS, "team-a", deployment].history) == versions_before
+
+
 async def test_profile_change_re_renders_its_servings(operator, serving, profile):
     await create(operator, profile)
     await create(operator, with_uid(serving))

@@ -704,6 +704,10 @@ def bad(tmp_path, change) -> tuple[int, str, str]:
      "faults[0].performance.curve"),
     (lambda d: d["profile"]["limits"].update(allowedMethods=["eagle3"]), "serving.rollout.candidate.speculator.method"),
     (lambda d: d["performance"]["eagle3"]["curve"].reverse(), "performance.eagle3.curve[1].concurrency"),
+    # Read as the operator reads a resource: camelCase keys only, no quoted numbers.
+    (lambda d: d["serving"]["replicas"].update(max="4"), "serving.replicas.max"),
+    (lambda d: d["serving"]["model"].update(served_name=d["serving"]["model"].pop("servedName")),
+     "serving.model.servedName"),
 ])
 def test_bad_scenarios_exit_2_naming_the_field_and_simulate_nothing(tmp_path, change, names):
     code, out, err = bad(tmp_path, change)

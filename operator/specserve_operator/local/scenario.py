@@ -154,7 +154,7 @@ def problems(document: object) -> tuple[Scenario | None, list[str]]:
     if not isinstance(document, dict):
         return None, [f"(top level): expected a mapping of keys, got {type(document).__name__}"]
     try:
-        scenario = Scenario.model_validate(document)
+        scenario = Scenario.model_validate(document, by_name=False, strict=True)  # as the operator reads its serving
     except ValidationError as exc:
         return None, [p.removeprefix(".") for p in pydantic_problems("", exc)]
     found = []
