@@ -9,6 +9,7 @@ import sys
 
 from pydantic import ValidationError
 from specserve_runtime.config import local_reference
+from specserve_runtime.errors import field_location
 from specserve_runtime.launch import DrafterLayoutError, check_vllm_drafter
 
 from . import api
@@ -31,18 +32,8 @@ class InputProblems(Exception):
 _SUBPATH = re.compile(r"^(?:Value error, )?([A-Za-z][\w.\[\]]*): (.*)$", re.S)
 
 
-# pydantic's names for the shapes a field of several types was tried as (a Quantity: int, then str).
-_SHAPE = re.compile(r"^(int|str|float|bool|list\[.*\]|dict\[.*\]|function-.*)$")
-
-
 def field_path(prefix: str, loc: tuple) -> str:
-    path = prefix
-    for part in loc:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif not _SHAPE.match(part):
-            path += f".{part}"
-    return path
+    return prefix + "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in field_location(loc))
 
 
 def pydantic_problems(prefix: str, error: ValidationError) -> list[str]:

@@ -6,6 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from ..errors import field_location
+
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
@@ -146,14 +148,11 @@ def parse(model: type[BaseModel], payload) -> BaseModel:
         raise ApiError(400, f"{param}: {message}" if param else message, param=param) from exc
 
 
-_SHAPES = {"str", "int", "float", "bool", "list", "dict"}
-
-
 def _first_error(exc: ValidationError) -> tuple[str | None, str]:
     """The first invalid field, named by its path in the request. A field that takes one of several shapes
     (content: a string or a list of parts) fails once per shape; the deepest failure under it says most."""
-    def path(error) -> list[str]:  # without pydantic's names for the shapes tried ("str", "list[TextPart]")
-        return [str(p) for p in error["loc"] if isinstance(p, int) or (p.isidentifier() and p not in _SHAPES)]
+    def path(error) -> list[str]:
+        return [str(part) for part in field_location(error["loc"])]
     errors = exc.errors()
     first = path(errors[0])
     under = [error for error in errors if path(error)[:len(first)] == first]
