@@ -41,7 +41,7 @@ def _cluster_lookup():
 
 def render_file(path: Path, settings: Settings = Settings(), cluster="auto") -> list[dict]:
     documents = _load_documents(path)
-    profiles, namespaces, servings, problems = {}, {}, [], []
+    profiles, invalid_profiles, namespaces, servings, problems = {}, set(), {}, [], []
     for doc in documents:
         kind, name = doc.get("kind"), (doc.get("metadata") or {}).get("name")
         if kind == "ServingProfile":
@@ -49,6 +49,8 @@ def render_file(path: Path, settings: Settings = Settings(), cluster="auto") -> 
             problems += [f"{path}: ServingProfile {name}: {e}" for e in errors]
             if profile:
                 profiles[profile.name] = profile
+            else:
+                invalid_profiles.add(name)
         elif kind == "Namespace":
             namespaces[name] = (doc.get("metadata") or {}).get("labels") or {}
         elif kind == "SpeculativeServing":
@@ -63,6 +65,9 @@ def render_file(path: Path, settings: Settings = Settings(), cluster="auto") -> 
         label = f"{path}: SpeculativeServing {(doc.get('metadata') or {}).get('namespace', 'default')}/{(doc.get('metadata') or {}).get('name')}"
         if serving is None:
             problems += [f"{label}: {e}" for e in errors]
+            continue
+        if serving.spec.profile in invalid_profiles:  # the file's own, not one of the same name in the cluster
+            problems.append(f"{label}: spec.profile: ServingProfile {serving.spec.profile!r} is invalid (above)")
             continue
         profile, labels = profiles.get(serving.spec.profile), namespaces.get(serving.namespace)
         try:

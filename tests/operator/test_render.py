@@ -466,6 +466,19 @@ def test_render_file_reports_every_problem_with_its_path(tmp_path, example_docum
     ]
 
 
+def test_a_serving_of_an_invalid_profile_in_the_file_says_so_rather_than_not_found(tmp_path, example_documents):
+    documents = copy.deepcopy(example_documents)
+    next(d for d in documents if d["kind"] == "ServingProfile")["spec"]["limits"]["maxReplicas"] = "8"
+    path = tmp_path / "bad-profile.yaml"
+    path.write_text(yaml.safe_dump_all(documents))
+    with pytest.raises(RenderError) as caught:
+        render_file(path, cluster=None)
+    assert caught.value.problems == [
+        f"{path}: ServingProfile team-a-h100: spec.limits.maxReplicas: Input should be a valid integer",
+        f"{path}: SpeculativeServing team-a/qwen3-8b: spec.profile: ServingProfile 'team-a-h100' is invalid (above)",
+    ]
+
+
 def test_render_file_without_namespace_or_cluster_says_what_to_add(tmp_path, example_documents):
     path = tmp_path / "no-namespace.yaml"
     path.write_text(yaml.safe_dump_all([d for d in example_documents if d["kind"] != "Namespace"]))
