@@ -236,7 +236,7 @@ def test_revision_hash_follows_the_pod_affecting_spec_only(example_documents):
     assert base == revision_hash(spec.model, spec.speculator, spec.runtime)
     changed = spec.speculator.model_copy(update={"num_speculative_tokens": 5})
     assert revision_hash(spec.model, changed, spec.runtime) != base
-    image = spec.runtime.model_copy(update={"image": "registry.example.com/specserve-runtime:0.2.0"})
+    image = spec.runtime.model_copy(update={"image": "registry.example.com/specserve/runtime:0.2.0"})
     assert revision_hash(spec.model, spec.speculator, image) != base
     copies = spec.speculator.model_copy(update={"prompt_lookup": 0})
     assert revision_hash(spec.model, copies, spec.runtime) != base
@@ -247,7 +247,7 @@ def test_an_operator_that_knows_newer_speculator_fields_gives_a_revision_without
     operator before it gave them (so upgrading the operator rolls no pods)."""
     serving, _, _ = parsed(example_documents)
     spec = serving.spec
-    assert (revision_hash(spec.model, spec.speculator, spec.runtime), candidate_hash(spec)) == ("613bee42", "108ba90e")
+    assert (revision_hash(spec.model, spec.speculator, spec.runtime), candidate_hash(spec)) == ("e198b13a", "d844a203")
 
 
 def test_a_bundled_drafter_renders_as_written_and_the_image_follows_the_engine(example_documents):
