@@ -133,18 +133,25 @@ def load_matched(stable: Window, candidate: Window) -> tuple[bool, str]:
     return False, "; ".join(reasons) + f" differ by more than {LOAD_TOLERANCE:.0%}"
 
 
-def _at_most(name: str, value: float | None, limit: float, unit: str = "") -> Gate:
+def _figure(value: float) -> str:
+    """Three significant figures, whole numbers from 1000 up (an SLO of 1500 ms reads 1500ms, not 1.5e+03ms)."""
+    return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+
+
+def _bound(name: str, value: float | None, limit: float, unit: str, at_least: bool) -> Gate:
     if value is None:
         return Gate(name, "Inconclusive", "not measured", None, limit)
-    verdict: Verdict = "Pass" if value <= limit else "Fail"
-    return Gate(name, verdict, f"{value:.3g}{unit} {'<=' if verdict == 'Pass' else '>'} {limit:.3g}{unit}", value, limit)
+    passed = value >= limit if at_least else value <= limit
+    sign = (">=" if passed else "<") if at_least else ("<=" if passed else ">")
+    return Gate(name, "Pass" if passed else "Fail", f"{_figure(value)}{unit} {sign} {_figure(limit)}{unit}", value, limit)
+
+
+def _at_most(name: str, value: float | None, limit: float, unit: str = "") -> Gate:
+    return _bound(name, value, limit, unit, at_least=False)
 
 
 def _at_least(name: str, value: float | None, limit: float, unit: str = "") -> Gate:
-    if value is None:
-        return Gate(name, "Inconclusive", "not measured", None, limit)
-    verdict: Verdict = "Pass" if value >= limit else "Fail"
-    return Gate(name, verdict, f"{value:.3g}{unit} {'>=' if verdict == 'Pass' else '<'} {limit:.3g}{unit}", value, limit)
+    return _bound(name, value, limit, unit, at_least=True)
 
 
 def _combine(gates: list[Gate]) -> Verdict:

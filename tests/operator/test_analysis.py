@@ -121,6 +121,12 @@ def test_the_slo_is_a_gate_on_the_candidate():
     assert report.verdict == "Fail"
 
 
+def test_gate_reasons_print_large_figures_whole():
+    report = analyse(STABLE, replace(GOOD, p99_time_to_first_token_ms=1234.5), GATES,
+                     api.Slo(p99TimeToFirstTokenMs=1500), "dflash")
+    assert gate(report, "sloTimeToFirstToken").reason == "1234ms <= 1500ms"
+
+
 def test_a_rollout_that_names_no_gate_still_fails_a_measurably_worse_candidate():
     defaults = api.Analysis()
     assert analyse(STABLE, GOOD, defaults, NO_SLO, "dflash").verdict == "Pass"
