@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import yaml
+from specserve_runtime.config import read_yaml
 
 from . import api
 from .render import Settings, render_all
@@ -17,12 +18,10 @@ class RenderError(InputProblems):
 
 
 def _load_documents(path: Path) -> list[dict]:
-    if not path.is_file():
-        raise RenderError([f"{path}: no such file"])
     try:
-        documents = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
-    except yaml.YAMLError as exc:
-        raise RenderError([f"{path}: invalid YAML ({exc})"]) from exc
+        documents = [d for d in read_yaml(path, all_documents=True) if d is not None]
+    except ValueError as exc:
+        raise RenderError([str(exc)]) from exc
     bad = [i for i, d in enumerate(documents) if not isinstance(d, dict) or "kind" not in d]
     if bad:
         raise RenderError([f"{path}: document {i} is not a Kubernetes object (no kind)" for i in bad])

@@ -4,8 +4,8 @@ it measured fixed draft lengths, what draft-length schedules are proposed from (
 
 from pathlib import Path
 
-import yaml
 from pydantic import ValidationError
+from specserve_runtime.config import read_yaml
 from specserve_runtime.performance import METHODS, Performance
 
 from .autoscale import prior_points
@@ -31,9 +31,9 @@ def load_performance(path: Path) -> Performance:
     """The operator's SPECSERVE_CAPACITY_PRIORS: a YAML `performance` block, as in a scenario.
     A file that cannot be used is an error naming it and the problem (the operator does not start)."""
     try:
-        performance = Performance.model_validate(yaml.safe_load(path.read_text()))
-    except (OSError, yaml.YAMLError) as exc:
-        raise InputProblems([f"{path}: cannot read ({' '.join(str(exc).split())})"]) from exc
-    except ValidationError as exc:
+        performance = Performance.model_validate(read_yaml(path))
+    except ValidationError as exc:  # a subclass of ValueError: first
         raise InputProblems([f"{path}: {p.removeprefix('.')}" for p in pydantic_problems("", exc)]) from exc
+    except ValueError as exc:
+        raise InputProblems([str(exc)]) from exc
     return performance

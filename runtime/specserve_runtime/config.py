@@ -194,15 +194,27 @@ class RuntimeConfig(BaseModel):
         return yaml.safe_dump(self.model_dump(by_alias=True, exclude_none=True), sort_keys=False)
 
 
+def read_yaml(path: Path, all_documents: bool = False):
+    """A YAML (or JSON) file's document, or its list of documents; a ValueError naming the file and the problem,
+    on one line, when it cannot be read or parsed (every command that reads a file says it the same way)."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read ({getattr(exc, 'strerror', None) or exc})") from exc
+    try:
+        return list(yaml.safe_load_all(text)) if all_documents else yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        what = ", ".join(filter(None, (getattr(exc, "context", None), getattr(exc, "problem", None))))
+        raise ValueError(f"{path}: invalid YAML ({where}{what or ' '.join(str(exc).split())})") from exc
+
+
 def read_config(path: str | Path) -> RuntimeConfig:
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"--config {path}: no such file")
+    raw = read_yaml(path)
     try:
-        raw = yaml.safe_load(path.read_text())
         return RuntimeConfig.model_validate(raw or {})
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: invalid YAML ({exc})") from exc
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise ValueError(f"{path}: {problems}") from exc

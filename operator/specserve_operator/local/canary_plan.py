@@ -10,12 +10,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 from pydantic import BaseModel, ValidationError
 from specserve_runtime.cmdline import (
     READY_SECONDS,
 )
-from specserve_runtime.config import DEFAULT_DRAFTER_NAMES, RuntimeConfig
+from specserve_runtime.config import DEFAULT_DRAFTER_NAMES, RuntimeConfig, read_yaml
 
 from .. import api  # pydantic only: the decision and measurement modules are imported when a canary runs
 
@@ -99,9 +98,9 @@ def _read_spec(text: str, flag: str) -> dict:
     path = Path(text)
     if path.is_file():
         try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            raise CanaryError(f"{flag} {text}: invalid YAML/JSON ({str(exc).splitlines()[0]})") from exc
+            data = read_yaml(path)
+        except ValueError as exc:
+            raise CanaryError(f"{flag} {exc}") from exc
         if not isinstance(data, dict):
             raise CanaryError(f"{flag} {text}: expected a mapping with {', '.join(SPEC_KEYS)}")
         return data

@@ -10,8 +10,8 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
+from specserve_runtime.config import read_yaml
 from specserve_runtime.performance import MethodPerformance, Performance, Strict
 
 from .. import api
@@ -182,13 +182,9 @@ def problems(document: object) -> tuple[Scenario | None, list[str]]:
 def load(path: Path) -> Scenario:
     """Read and validate a scenario file; ScenarioError names the file and every problem."""
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ScenarioError([f"{path}: cannot read ({exc.strerror or exc})"]) from exc
-    try:
-        document = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ScenarioError([f"{path}: invalid YAML ({' '.join(str(exc).split())})"]) from exc
+        document = read_yaml(path)
+    except ValueError as exc:
+        raise ScenarioError([str(exc)]) from exc
     scenario, found = problems(document)
     if found:
         raise ScenarioError([f"{path}: {problem}" for problem in found])
