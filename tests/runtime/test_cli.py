@@ -55,6 +55,10 @@ def test_model_that_is_not_a_folder(capsys, tmp_path):
     assert "is neither a folder nor a known name" in message
 
 
+def test_serve_port_out_of_range(capsys):
+    assert "--port must be 1..65535, got 99999" in error_of(capsys, "serve", "--method", "none", "--port", "99999")
+
+
 def test_serve_names_a_model_that_is_not_there(capsys, tmp_path):
     message = error_of(capsys, "serve", "--method", "ar", "--model", str(tmp_path / "absent"))
     assert "is neither a folder nor a known name" in message

@@ -678,3 +678,15 @@ def test_launch_rejects_a_bad_config(tmp_path):
     config.write_text("model: m\nservedName: m\nmethod: medusa\n")
     run = subprocess.run([specserve_bin(), "launch", "--config", str(config)], capture_output=True, text=True)
     assert run.returncode == 2 and "method: Input should be" in run.stderr
+
+
+def test_serve_on_a_port_in_use_says_so():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = subprocess.run([specserve_bin(), "serve", "--method", "none", "--port", str(port)],
+                             capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"specserve: error: --host 127.0.0.1 --port {port}: cannot listen there (Address already in use)")

@@ -2,6 +2,7 @@
 engine."""
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -118,6 +119,8 @@ def run_embedded_server(args) -> None:
     for flag in ("max_concurrency", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if not 1 <= args.port <= 65535:
+        raise UsageError(f"--port must be 1..65535, got {args.port}")
     method = "ar" if args.method == "none" else args.method
 
     def load():  # in the engine's thread (server/app.py, Worker)
@@ -131,7 +134,12 @@ def run_embedded_server(args) -> None:
     served_name = args.served_model_name or Path(str(args.model)).name
     server = Server(load, served_name, method, args.drafter, args.max_concurrency, args.max_num_seqs)
     print(f"serving {served_name} ({method}) on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-    serve(server, args.host, args.port)
+    try:
+        serve(server, args.host, args.port)
+    except OSError as exc:
+        if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+            raise
+        raise UsageError(f"--host {args.host} --port {args.port}: cannot listen there ({os.strerror(exc.errno)})") from None
 
 
 def cmd_launch(args) -> None:
