@@ -27,6 +27,18 @@ def test_committed_crds_are_the_generated_ones():
         assert (CRD_DIR / name).read_text() == render_yaml(crd), f"crds/{name} is stale: run `specserve crds --out crds`"
 
 
+def test_crds_command_writes_both_files_or_names_the_path_it_cannot_write(tmp_path, capsys):
+    from specserve.cli import main
+
+    assert main(["crds", "--out", str(tmp_path / "out")]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(all_crds())
+    capsys.readouterr()
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert main(["crds", "--out", str(blocked / "out")]) == 2
+    assert capsys.readouterr().err.strip() == f"specserve crds: {blocked / 'out'}: cannot write (Not a directory)"
+
+
 def test_crds_are_valid_kubernetes_objects_with_subresources_and_columns():
     for path in CRD_DIR.glob("*.yaml"):
         crd = yaml.safe_load(path.read_text())
