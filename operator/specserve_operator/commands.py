@@ -106,17 +106,13 @@ def cmd_render(args) -> int:
 def cmd_crds(args) -> int:
     from .crd import reference_markdown, render_yaml, serving_profile_crd, speculative_serving_crd, write_crds
 
-    try:
-        if args.reference:
-            Path(args.reference).write_text(reference_markdown())
-            print(args.reference, file=sys.stderr)
-        if args.out:
-            for path in write_crds(Path(args.out)):
-                print(path, file=sys.stderr)
-    except OSError as exc:
-        print(f"specserve crds: {exc.filename}: cannot write ({exc.strerror or exc})", file=sys.stderr)
-        return 2
-    if not args.out and not args.reference:
+    if args.reference:
+        Path(args.reference).write_text(reference_markdown())
+        print(args.reference, file=sys.stderr)
+    if args.out:
+        for path in write_crds(Path(args.out)):
+            print(path, file=sys.stderr)
+    elif not args.reference:
         sys.stdout.write("---\n".join(render_yaml(c) for c in (serving_profile_crd(), speculative_serving_crd())))
     return 0
 

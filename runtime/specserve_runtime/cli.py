@@ -26,6 +26,11 @@ def main(argv: list[str] | None = None, groups=GROUPS) -> int:
     except (UsageError, ModelError, DrafterError, ValueError) as exc:
         print(f"specserve: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        if exc.filename is None:  # not a path the user gave (a socket, a bug): the traceback says more
+            raise
+        print(f"specserve: error: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ def test_crds_command_writes_both_files_or_names_the_path_it_cannot_write(tmp_pa
     blocked = tmp_path / "file"
     blocked.write_text("")
     assert main(["crds", "--out", str(blocked / "out")]) == 2
-    assert capsys.readouterr().err.strip() == f"specserve crds: {blocked / 'out'}: cannot write (Not a directory)"
+    assert capsys.readouterr().err.strip() == f"specserve: error: {blocked / 'out'}: Not a directory"
 
 
 def test_crds_are_valid_kubernetes_objects_with_subresources_and_columns():
