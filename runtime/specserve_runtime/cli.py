@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None, groups=GROUPS) -> int:
         args = build_parser(groups).parse_args(argv)
         return args.run(args) or 0
     except (UsageError, ModelError, DrafterError, ValueError) as exc:
-        print(f"specserve: error: {exc}", file=sys.stderr)
+        print(f"{getattr(exc, 'prog', 'specserve')}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
         if exc.filename is None:  # not a path the user gave (a socket, a bug): the traceback says more

@@ -22,12 +22,16 @@ from pathlib import Path
 
 
 class UsageError(Exception):
-    """Bad input from the user: reported as one line, exit status 2."""
+    """Bad input from the user: reported as one line, `PROG: error: message`, exit status 2."""
+
+    def __init__(self, message: str, prog: str = "specserve"):
+        super().__init__(message)
+        self.prog = prog
 
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line naming the problem, not the whole usage text
-        raise UsageError(f"{self.prog}: {message}")
+        raise UsageError(message, prog=self.prog)
 
 
 def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:

@@ -21,6 +21,13 @@ def test_unknown_method(capsys):
     assert "invalid choice: 'medusa'" in error_of(capsys, "generate", "--method", "medusa", "--prompt", "hi")
 
 
+def test_parser_errors_name_the_command_once(capsys):
+    """As argparse prints them: the command, then `error:`, then the problem (not the program name twice)."""
+    assert error_of(capsys, "eval-drafter", "--drafter", "random") == \
+        "specserve eval-drafter: error: the following arguments are required: --method"
+    assert error_of(capsys, "pull", "--no-such-flag") == "specserve: error: unrecognized arguments: --no-such-flag"
+
+
 def test_block_size_below_two(capsys):
     message = error_of(capsys, "generate", "--method", "dflash", "--block-size", "1", "--prompt", "hi")
     assert "--block-size must be >= 2, got 1" in message

@@ -9,9 +9,10 @@ import collections
 import copy
 import logging
 import os
-import sys
 import time
 import uuid
+
+from specserve_runtime.cmdline import UsageError
 
 NAMESPACE = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "bench", "labels": {"tenant": "bench"}}}
 PROFILE = {
@@ -101,8 +102,7 @@ def report(result: dict) -> str:
 
 def cmd_bench_operator(args) -> int:
     if args.servings < 1:
-        print("specserve bench-operator: --servings must be >= 1", file=sys.stderr)
-        return 2
+        raise UsageError(f"--servings {args.servings}: must be at least 1")
     print(report(run(args.servings)))
     return 0
 
