@@ -27,10 +27,18 @@ nor clears, so a Prometheus outage never degrades a serving. A saturated window 
 mostly queued beyond the engine's batch) is judged at the batch: the requests decoding, their time per token
 without the wait. sustainedAnalyses degraded analyses in a row set
 SpeculationDegraded; one healthy analysis clears it.
+
+A severe fall does not wait: a degraded analysis whose acceptance ratio is below severeAcceptanceRatio
+(0.5 by default), in a window of at least SEVERE_MIN_GENERATED_TOKENS, sets it at once. Acceptance length
+is the drafter's own signal, averaged over every verify step of the window (of several requests, so one
+odd request cannot halve it), so a fall to half the baseline is the traffic, not noise, where time per
+token moves with load and queues; the fast trigger is on acceptance alone (as multi-window burn-rate
+alerting pages at once on a fast burn and waits on a slow one). A fall that lasts a minute or two can
+start a fallback that is then rolled back at its canary: that is the price of acting in one interval.
 """
 
 from . import api
-from .analysis import too_little_evidence
+from .analysis import MIN_GENERATED_TOKENS, too_little_evidence
 from .autoscale import saturated
 from .capacity import Capacity
 from .measure import Window
@@ -39,6 +47,7 @@ from .rollout import parse_time
 from .schedule import scheduled
 
 BASELINE_ANALYSES = 3  # windows with data whose mean acceptance length is a revision's baseline
+SEVERE_MIN_GENERATED_TOKENS = 10 * MIN_GENERATED_TOKENS  # the tokens of several requests: one window acts alone
 # The canary of a candidate the operator starts (a fallback, a schedule) without spec.rollout: half the replicas
 # for two default analysis intervals.
 FALLBACK_STEPS = [api.RolloutStep(weight=50, analysis_seconds=120)]
@@ -89,14 +98,17 @@ def assess(previous: api.SpeculationStatus | None, revision: str, window: Window
         in_flight_per_replica=load, tokens_per_second_per_replica=per_replica, goodput_per_replica=window.goodput_per_replica,
         tokens_per_dollar=window.tokens_per_dollar,
         reasons=reasons)
-    # An Inconclusive analysis keeps the count: a hole in the evidence, as in a canary (rollout.decide).
+    # An Inconclusive analysis keeps the count and the severity: a hole in the evidence, as in a canary (rollout.decide).
     degraded_analyses = {"Degraded": previous.degraded_analyses + 1, "Healthy": 0}.get(verdict, previous.degraded_analyses)
+    fell_severely = degraded and ratio is not None and count >= BASELINE_ANALYSES and \
+        ratio < health.severe_acceptance_ratio and window.generated_tokens >= SEVERE_MIN_GENERATED_TOKENS
+    severe = {"Degraded": previous.severe or fell_severely, "Healthy": False}.get(verdict, previous.severe)
     return status.model_copy(update={"baseline_acceptance_length": baseline, "baseline_analyses": count,
-                                     "degraded_analyses": degraded_analyses, "last_analysis": analysis})
+                                     "degraded_analyses": degraded_analyses, "severe": severe, "last_analysis": analysis})
 
 
 def is_degraded(status: api.SpeculationStatus | None, health: api.SpeculationHealth) -> bool:
-    return status is not None and status.degraded_analyses >= health.sustained_analyses
+    return status is not None and (status.severe or status.degraded_analyses >= health.sustained_analyses)
 
 
 def calls_for_fallback(status: api.SpeculationStatus | None, health: api.SpeculationHealth, judges_speed: bool) -> bool:

@@ -55,7 +55,9 @@ def speculation_health(spec: api.SpeculativeServingSpec, settings: Settings, pre
     message = f"revision {live.hash} ({live.speculator.method}): {analysis.verdict}: {figures}"
     events = []
     if degraded and not was:
-        events.append(Event("Warning", "SpeculationDegraded", f"{status.degraded_analyses} degraded analyses in a row, {message}"))
+        why = f"acceptance below {policy.severe_acceptance_ratio:g} of its baseline" if status.severe else \
+            f"{status.degraded_analyses} degraded analyses in a row"
+        events.append(Event("Warning", "SpeculationDegraded", f"{why}, {message}"))
     elif was and not degraded:
         events.append(Event("Normal", "SpeculationRecovered", message))
     reason = "Degraded" if degraded else "NotSustained" if analysis.verdict == "Degraded" else analysis.verdict

@@ -168,6 +168,8 @@ def _evaluate_cel(spec: dict, kind: str = "SpeculativeServing") -> list[str]:
         (lambda s: s.__setitem__("speculationHealth", {"fallback": {"speculator": {"method": "dflash"}}}),
          "dflash and eagle3 need a draftModel"),
         (lambda s: s["speculator"].__setitem__("promptLookup", 4), api.LOOKUP_NEEDS_EMBEDDED),
+        (lambda s: s.__setitem__("speculationHealth", {"minAcceptanceRatio": 0.6, "severeAcceptanceRatio": 0.7}),
+         api.SEVERE_BELOW_MIN),
         (lambda s: s["rollout"]["candidate"]["speculator"].__setitem__("promptLookup", 4), api.LOOKUP_NEEDS_EMBEDDED),
         (lambda s: s.__setitem__("speculator", {"method": "none", "numSpeculativeTokensPerBatchSize": [
             {"minBatchSize": 1, "numSpeculativeTokens": 0}]}), "numSpeculativeTokensPerBatchSize: method none drafts nothing"),

@@ -88,6 +88,35 @@ def test_a_new_live_revision_gets_a_baseline_of_its_own_and_judges_nothing_on_ac
     assert unjudged.last_analysis.reasons == ["acceptanceRatio: baseline from 1 of 3 analyses"]
 
 
+def test_a_severe_fall_of_acceptance_degrades_at_once_and_holds_until_a_healthy_analysis():
+    """Below severeAcceptanceRatio (0.5 of the baseline) one analysis is enough; an outage after it neither clears
+    nor counts, a milder degraded analysis keeps it, one healthy analysis clears it. 0 turns the fast path off."""
+    status = run([window(3.0)] * BASELINE_ANALYSES)
+    mild = run([window(1.8)], status)  # 0.6: degraded, not severe
+    assert mild.degraded_analyses == 1 and not mild.severe and not is_degraded(mild, HEALTH)
+    fallen = run([window(1.2)], status)  # 0.4
+    assert fallen.degraded_analyses == 1 and fallen.severe and is_degraded(fallen, HEALTH)
+    outage = Window("abc123", 60, 2, missing="measurement failed: connection refused")
+    held = run([outage, window(1.8)], fallen)
+    assert held.severe and is_degraded(held, HEALTH) and held.degraded_analyses == 2
+    cleared = run([window(2.9)], held)
+    assert not cleared.severe and not is_degraded(cleared, HEALTH)
+    assert not is_degraded(run([window(1.8)], cleared), HEALTH)  # a mild fall starts over from one
+    patient = api.SpeculationHealth(severeAcceptanceRatio=0)
+    assert not is_degraded(run([window(1.2)], status, health=patient), patient)
+    # While the baseline forms, a ratio is not judged, so nothing is severe.
+    forming = run([window(3.0), window(1.0)])
+    assert not forming.severe and not is_degraded(forming, HEALTH)
+    # A quiet window (about 690 tokens, a few requests) is judged, but cannot act alone.
+    quiet = run([window(1.2, in_flight=0.04)], status)
+    assert quiet.last_analysis.verdict == "Degraded" and not quiet.severe and not is_degraded(quiet, HEALTH)
+
+
+def test_severe_must_be_below_min():
+    with pytest.raises(ValueError, match=r"severeAcceptanceRatio: 0.8 must be below minAcceptanceRatio \(0.8\)"):
+        api.SpeculationHealth(severeAcceptanceRatio=0.8)
+
+
 def test_thresholds_are_the_spec_s():
     strict = api.SpeculationHealth(minAcceptanceRatio=0.95, sustainedAnalyses=1)
     status = run([window(3.0)] * BASELINE_ANALYSES + [window(2.8)], health=strict)

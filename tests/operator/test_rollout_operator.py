@@ -329,7 +329,8 @@ def condition(emulator, kind):
     return next((c for c in status_of(emulator).get("conditions") or [] if c["type"] == kind), {})
 
 
-DEGRADED = {**GOOD, "acceptance_length": 1.4, "tokens_per_second": 150.0, "p99_inter_token_latency_ms": 45.0}
+# Acceptance at 0.6 of the baseline below: degraded, above severeAcceptanceRatio (0.5), so it waits for sustainedAnalyses.
+DEGRADED = {**GOOD, "acceptance_length": 2.1, "tokens_per_second": 150.0, "p99_inter_token_latency_ms": 45.0}
 
 
 async def analysed(emulator, clock):
@@ -379,7 +380,7 @@ async def test_a_degraded_drafter_falls_back_through_a_canary_and_says_so(operat
     source.outage = False
     await analysed(operator, clock)
     assert await eventually(lambda: condition(operator, "SpeculationDegraded").get("status") == "True")
-    assert "acceptanceRatio: 0.40 < 0.8 (acceptance length 1.40, baseline 3.50)" in condition(operator, "SpeculationDegraded")["message"]
+    assert "acceptanceRatio: 0.60 < 0.8 (acceptance length 2.10, baseline 3.50)" in condition(operator, "SpeculationDegraded")["message"]
     assert await eventually(lambda: degraded_gauge() == 1)  # set after the status is written
     assert any("2 degraded analyses in a row" in m for m in await eventually(lambda: events(operator, "SpeculationDegraded")))
     assert await eventually(lambda: events(operator, "FallbackStarted"))
@@ -405,6 +406,19 @@ async def test_a_degraded_drafter_falls_back_through_a_canary_and_says_so(operat
     assert await eventually(lambda: condition(operator, "SpeculationDegraded").get("reason") == "NotSpeculating")
     assert condition(operator, "SpeculationDegraded")["status"] == "False"
     assert await eventually(lambda: degraded_gauge() == 0)
+
+
+async def test_a_severe_fall_of_acceptance_degrades_at_its_first_analysis(operator, serving, profile, source, clock):
+    """Acceptance at 0.4 of the baseline is below severeAcceptanceRatio (0.5): SpeculationDegraded and the fallback
+    without waiting for sustainedAnalyses, the Event saying why."""
+    drafter = await serve_drafter_with_a_baseline(operator, serving, profile, source, clock)
+    source.by_revision[drafter] = {**DEGRADED, "acceptance_length": 1.4}
+    await analysed(operator, clock)
+    assert await eventually(lambda: condition(operator, "SpeculationDegraded").get("status") == "True")
+    assert speculation_of(operator)["degradedAnalyses"] == 1 and speculation_of(operator)["severe"] is True
+    assert any(m.startswith("acceptance below 0.5 of its baseline, revision") and "acceptanceRatio: 0.40 < 0.8" in m
+               for m in await eventually(lambda: events(operator, "SpeculationDegraded")))
+    assert await eventually(lambda: events(operator, "FallbackStarted"))
 
 
 async def test_a_fallback_that_loses_its_canary_is_rolled_back_and_retried_twice_as_late(operator, serving, profile, source, clock):

@@ -300,14 +300,25 @@ class Fallback(Model):
         return self
 
 
+SEVERE_BELOW_MIN = "severeAcceptanceRatio must be below minAcceptanceRatio"
+
+
 class SpeculationHealth(Model):
     """Continuous analysis of the live revision once no canary runs (health.py): each interval its acceptance
     length against the baseline recorded as it went live, and its time per token against what plain decoding
-    would take at the load measured; a sustained fall sets the condition SpeculationDegraded."""
+    would take at the load measured; a sustained fall, or a severe fall of acceptance, sets the condition
+    SpeculationDegraded."""
 
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        cel("!has(self.severeAcceptanceRatio) || !has(self.minAcceptanceRatio) || "
+            "self.severeAcceptanceRatio < self.minAcceptanceRatio", SEVERE_BELOW_MIN, ".severeAcceptanceRatio"),
+    ]})
     enabled: bool = True
     interval_seconds: int = Field(60, ge=10, le=3600)
     min_acceptance_ratio: float = Field(0.8, gt=0, le=1, description="acceptance length / the revision's baseline at least this")
+    severe_acceptance_ratio: float = Field(
+        0.5, ge=0, lt=1, description="one degraded analysis whose acceptance ratio is below this (over 1000 generated "
+        "tokens or more) sets SpeculationDegraded without waiting for sustainedAnalyses; 0: never")
     min_speedup: float = Field(1.0, gt=0, le=10, description="plain decoding's time per token at the load measured (the "
                                "capacity prior of method none) / the measured, at least this; not judged without that prior")
     sustained_analyses: int = Field(3, ge=1, le=100, description="degraded analyses in a row that set SpeculationDegraded")
@@ -316,6 +327,13 @@ class SpeculationHealth(Model):
         "Propose", description="a draft-length schedule (numSpeculativeTokensPerBatchSize) from the capacity prior's "
         "draftLengths and the live acceptance: Propose reports it in status.draftSchedule, Apply also rolls it out "
         "through the canary once per spec generation when it is predicted 5% faster; Off neither")
+
+    @model_validator(mode="after")
+    def _severe_below_min(self):
+        if self.severe_acceptance_ratio >= self.min_acceptance_ratio:
+            raise ValueError(f"severeAcceptanceRatio: {self.severe_acceptance_ratio:g} must be below minAcceptanceRatio "
+                             f"({self.min_acceptance_ratio:g})")
+        return self
 
 
 class ParentRef(Model):

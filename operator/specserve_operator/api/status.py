@@ -154,6 +154,8 @@ class SpeculationStatus(Model):
     baseline_acceptance_length: float | None = Field(None, description="the mean over its first analyses with data")
     baseline_analyses: int = Field(0, description="analyses in the baseline so far")
     degraded_analyses: int = Field(0, description="degraded analyses in a row (inconclusive ones neither count nor interrupt)")
+    severe: bool = Field(False, description="one of the degraded analyses in a row measured acceptance below "
+                                           "severeAcceptanceRatio of the baseline: degraded without waiting for more")
     last_evaluation_time: str | None = None
     last_analysis: SpeculationAnalysis | None = None
 
