@@ -68,13 +68,15 @@ def assess(previous: api.SpeculationStatus | None, revision: str, window: Window
     acceptance = window.acceptance_length
     if count < BASELINE_ANALYSES and acceptance is not None:
         baseline, count = ((baseline or 0.0) * count + acceptance) / (count + 1), count + 1
-    reasons, degraded = [], False
+    reasons, degraded, fell_severely = [], False, False
     ratio = acceptance / baseline if acceptance is not None and baseline else None
     if ratio is not None and count >= BASELINE_ANALYSES:
         ok = ratio >= health.min_acceptance_ratio
         reasons.append(f"acceptanceRatio: {ratio:.2f} {'>=' if ok else '<'} {health.min_acceptance_ratio:g} "
                        f"(acceptance length {acceptance:.2f}, baseline {baseline:.2f})")
         degraded |= not ok
+        # Below severeAcceptanceRatio (itself below minAcceptanceRatio, so degraded too) over enough tokens.
+        fell_severely = ratio < health.severe_acceptance_ratio and window.generated_tokens >= SEVERE_MIN_GENERATED_TOKENS
     elif acceptance is not None:
         reasons.append(f"acceptanceRatio: baseline from {count} of {BASELINE_ANALYSES} analyses")
     speedup = None
@@ -100,8 +102,6 @@ def assess(previous: api.SpeculationStatus | None, revision: str, window: Window
         reasons=reasons)
     # An Inconclusive analysis keeps the count and the severity: a hole in the evidence, as in a canary (rollout.decide).
     degraded_analyses = {"Degraded": previous.degraded_analyses + 1, "Healthy": 0}.get(verdict, previous.degraded_analyses)
-    fell_severely = degraded and ratio is not None and count >= BASELINE_ANALYSES and \
-        ratio < health.severe_acceptance_ratio and window.generated_tokens >= SEVERE_MIN_GENERATED_TOKENS
     severe = {"Degraded": previous.severe or fell_severely, "Healthy": False}.get(verdict, previous.severe)
     return status.model_copy(update={"baseline_acceptance_length": baseline, "baseline_analyses": count,
                                      "degraded_analyses": degraded_analyses, "severe": severe, "last_analysis": analysis})
