@@ -281,9 +281,8 @@ def test_a_fallback_started_by_a_two_minute_dip_loses_its_canary_and_the_drafter
     baseline is a severe fall, judged on one analysis. The drafter is degraded at the first analysis of the dip and
     its fallback rolled out; against the recovered drafter the fallback loses its canary in every seed and is not
     retried, so the drafter serves on, healthy. Waiting for three analyses in a row (severeAcceptanceRatio: 0) the
-    dip degrades nothing; the false alarm costs
-    neither SLO nor more than a few percent of the hour's cost: the canary's pods start in the slots that the
-    replicas bought for the dip's queue take in the run that waits."""
+    dip degrades nothing; the false alarm costs neither SLO nor more than a few percent of the hour's cost: the
+    canary's pods start in the slots that the replicas bought for the dip's queue take in the run that waits."""
     doc = document("drift-transient")
     dip, recovery = doc["faults"]
     fast = five_seeds_of("drift-transient")
