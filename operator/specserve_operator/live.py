@@ -34,7 +34,7 @@ def plain_decoding(settings: Settings) -> Capacity | None:
 
 def speculation_health(spec: api.SpeculativeServingSpec, settings: Settings, previous: api.SpeculationStatus | None,
                        draft_schedule: api.DraftScheduleStatus | None, stage: str, live: Revision,
-                       measure_live: Callable[[], Window], now: datetime.datetime) -> Health:
+                       measure_live: Callable[[], Window], now: datetime.datetime, max_drafts: int | None) -> Health:
     """The live revision's continuous analysis (health.py) and draft-length schedule (schedule.py) when it
     speculates and runs without a canary. Measured through the source alone, as a canary is: an outage holds the
     analysis and never degrades (`measure_live`: the live revision over the last intervalSeconds)."""
@@ -62,6 +62,7 @@ def speculation_health(spec: api.SpeculativeServingSpec, settings: Settings, pre
         events.append(Event("Normal", "SpeculationRecovered", message))
     reason = "Degraded" if degraded else "NotSustained" if analysis.verdict == "Degraded" else analysis.verdict
     lengths = settings.draft_lengths.get(live.speculator.method)
+    lengths = schedule.within_limit(lengths, max_drafts) if lengths is not None else None
     if policy.schedule != "Off" and lengths is not None:
         proposal = schedule.propose_for(draft_schedule, live.speculator, live.hash, window, lengths, timestamp(now))
         if proposal is not None and (draft_schedule is None or proposal.proposed != draft_schedule.proposed):

@@ -21,7 +21,7 @@ from .replicas import (Traffic, candidate_hash, planned_revisions, pods_to_keep,
                        revisions)
 from .rollout import Decision, Event, parse_time, timestamp
 from .rollout import tick as rollout_tick
-from .schedule import capacity_prior
+from .schedule import capacity_prior, exceeds_limit
 from .validate import check_against_profile, parse_profile, parse_serving
 
 REVISION_SCOPED = {("v1", "ConfigMap"), ("apps/v1", "Deployment")}
@@ -329,6 +329,9 @@ def reconcile(cluster: Cluster, body: dict, settings: Settings, source, now: dat
                       if old_status.get("draftSchedule") else None)
     if draft_schedule is not None and draft_schedule.applied is not None and draft_schedule.applied.generation != generation:
         draft_schedule = draft_schedule.model_copy(update={"applied": None})
+    max_drafts = profile.spec.limits.max_num_speculative_tokens
+    if draft_schedule is not None and exceeds_limit(draft_schedule, max_drafts):
+        draft_schedule = None  # never rolled out beyond the tenant's limits; proposed again within them
     serving = replace(serving, spec=health.with_fallback(health.with_schedule(serving.spec, draft_schedule, generation),
                                                          started, generation))
     spec = serving.spec
@@ -395,7 +398,8 @@ def reconcile(cluster: Cluster, body: dict, settings: Settings, source, now: dat
         (window,), _, _ = measure_interval(cluster, source, serving, profile, [live.hash], deployments, interval)
         return window
 
-    watched = speculation_health(serving.spec, settings, speculation, draft_schedule, decision.stage, live, measure_live, now)
+    watched = speculation_health(serving.spec, settings, speculation, draft_schedule, decision.stage, live, measure_live, now,
+                                 max_drafts)
     speculation, degraded, health_events = watched.speculation, watched.degraded, watched.events
     started = started or start_fallback(serving.spec, watched.fallback_due, live, generation, at, health_events)
     draft_schedule = watched.draft_schedule

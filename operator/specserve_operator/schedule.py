@@ -53,6 +53,24 @@ def draft_lengths(performance: Performance) -> dict[str, DraftLengths]:
     return found
 
 
+def within_limit(measured: DraftLengths, limit: int | None) -> DraftLengths | None:
+    """The draft lengths the tenant's profile allows (limits.maxNumSpeculativeTokens): what the operator proposes
+    for a tenant stays within the limits the tenant's own spec must. None when no drafting length is left."""
+    if limit is None:
+        return measured
+    curves = {k: curve for k, curve in measured.curves.items() if k <= limit}
+    if len(curves) < 2:
+        return None
+    return DraftLengths(curves, {k: a for k, a in measured.acceptance.items() if k in curves}, measured.batch)
+
+
+def exceeds_limit(status: api.DraftScheduleStatus, limit: int | None) -> bool:
+    """A proposal (or the schedule applied from one) drafting more a step than the profile allows now: one made
+    before the profile's limit was lowered."""
+    schedules = [status.proposed] + ([status.applied.schedule] if status.applied is not None else [])
+    return limit is not None and any(r.num_speculative_tokens > limit for ranges in schedules for r in ranges)
+
+
 def live_length(speculator: api.Speculator, load: float, measured: DraftLengths) -> int:
     """The draft length the live revision runs at this load: its schedule's, its numSpeculativeTokens, else the
     longest the bench measured (the drafter's default)."""

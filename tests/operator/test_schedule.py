@@ -10,7 +10,8 @@ from specserve_operator.capacity import Prior
 from specserve_operator.health import with_schedule
 from specserve_operator.measure import Window
 from specserve_operator.replicas import candidate_hash, revision_hash
-from specserve_operator.schedule import DraftLengths, capacity_prior, propose_for, scheduled, worth_applying
+from specserve_operator.schedule import (DraftLengths, capacity_prior, exceeds_limit, propose_for, scheduled, within_limit,
+                                         worth_applying)
 
 AT = "2026-12-05T10:00:00Z"
 
@@ -89,6 +90,20 @@ def test_a_proposal_is_applied_once_when_it_is_predicted_5_percent_faster_and_di
     assert not worth_applying(status.model_copy(update={"applied": applied}), "live", SEVEN)
     assert not worth_applying(None, "live", SEVEN)
 
+
+
+def test_only_the_lengths_the_profile_allows_are_proposed_and_one_proposed_beyond_them_is_dropped():
+    allowed = within_limit(LENGTHS, 3)
+    assert sorted(allowed.curves) == sorted(allowed.acceptance) == [0, 3]
+    assert within_limit(LENGTHS, None) == LENGTHS and within_limit(LENGTHS, 2) is None  # nothing left to draft
+    status = propose_for(None, SEVEN, "live", window(AS_BENCHED), allowed, AT)
+    assert max(r.num_speculative_tokens for r in status.proposed) <= 3
+    assert not exceeds_limit(status, 3)
+    longer = propose_for(None, SEVEN, "live", window(AS_BENCHED), LENGTHS, AT)
+    assert max(r.num_speculative_tokens for r in longer.proposed) == 7 and exceeds_limit(longer, 3)
+    applied = api.AppliedSchedule(generation=1, from_revision="live", at=AT, schedule=longer.proposed)
+    assert exceeds_limit(status.model_copy(update={"applied": applied}), 3)  # applied before the limit was lowered
+    assert not exceeds_limit(longer, None) and not exceeds_limit(longer, 7)
 
 def test_a_scheduled_speculator_drafts_as_many_as_its_longest_range():
     schedule = parse_schedule("1-2:7,3-:3")

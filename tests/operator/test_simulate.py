@@ -362,6 +362,23 @@ def test_an_applied_draft_length_schedule_is_promoted_and_pays_more_than_the_fix
     assert applied["tokensPerDollarVsInFlight"] > 1.2 * proposed["tokensPerDollarVsInFlight"]  # the same inFlight baseline
 
 
+def test_an_applied_schedule_never_drafts_more_a_step_than_the_profile_allows():
+    """The bench measured 7 drafts, but the tenant's profile allows 3: the schedule the operator proposes and rolls
+    out (schedule Apply: 3 drafts alone, none from the load where 3 drafts are slower than plain decoding) drafts at
+    most 3 a step in every revision it creates."""
+    doc = document("draft-schedule")
+    doc["profile"]["limits"]["maxNumSpeculativeTokens"] = 3
+    doc["serving"]["speculator"]["numSpeculativeTokens"] = 3
+    (three, _) = doc["performance"]["dflash"]["draftLengths"]
+    for point, slower in zip(three["curve"][1:], (70, 60, 40, 30)):
+        point["tokensPerSecondPerRequest"] = slower
+    doc["performance"]["dflash"].update(curve=three["curve"], acceptanceLength=three["acceptanceLength"])  # it runs 3
+    scenario = scenario_module.Scenario.model_validate(doc)
+    run = simulate.simulate(scenario, simulate.arrivals(scenario, 1), 1)
+    created = [m for m in run.fleet.models.values() if m.schedule]
+    assert created, "no schedule was rolled out"
+    assert all(m.drafts <= 3 and all(r.num_speculative_tokens <= 3 for r in m.schedule) for m in run.fleet.models.values())
+
 def test_a_schedule_drafting_a_length_the_bench_did_not_measure_is_a_scenario_error(tmp_path):
     doc = document("draft-schedule")
     doc["serving"]["speculator"]["numSpeculativeTokensPerBatchSize"] = [
