@@ -86,6 +86,8 @@ SPEEDUP = Gauge("specserve_operator_speculation_speedup",
                 ["namespace", "serving"])
 
 
+SERVING_GAUGES = (STEP, DESIRED, TOKENS_PER_DOLLAR, GOODPUT, SPECULATION_DEGRADED, ACCEPTANCE_RATIO, SLO_ITL, SLO_TTFT, SPEEDUP)
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_):
     settings.persistence.finalizer = "specserve.io/cleanup"
@@ -211,8 +213,8 @@ async def decision_tick(namespace, name, uid, memo: kopf.Memo, logger, **_):
 @kopf.on.delete(*SERVINGS)
 async def serving_deleted(namespace, name, uid, memo: kopf.Memo, logger, **_):
     deleted = await asyncio.to_thread(_cleanup_blocking, namespace, name, uid, memo)
-    for gauge in (STEP, DESIRED):
-        with contextlib.suppress(KeyError):  # never had a canary, or no autoscaling
+    for gauge in SERVING_GAUGES:  # a deleted serving's series end: its alerts resolve, its panels empty
+        with contextlib.suppress(KeyError):  # a gauge never set for it
             gauge.remove(namespace, name)
     logger.info("deleted %s", deleted)
 
@@ -225,12 +227,16 @@ def _cleanup_blocking(namespace, name, uid, memo: kopf.Memo) -> list[str]:
     return deleted
 
 
+@kopf.index(*SERVINGS)
+def servings_by_profile(namespace, name, uid, spec, **_):
+    """The servings kopf watches (only the operator's namespaces), by the profile they reference."""
+    return {spec.get("profile"): (namespace, name, uid)}
+
+
 @kopf.on.create(*PROFILES)
 @kopf.on.update(*PROFILES, field="spec")
-async def profile_changed(name, memo: kopf.Memo, logger, **_):
-    """A profile change (price, limits, selector) re-renders every serving that references it."""
-    cluster: Cluster = memo.cluster
-    for serving in await asyncio.to_thread(cluster.list, api.API_VERSION, "SpeculativeServing", None):
-        if (serving.get("spec") or {}).get("profile") == name:
-            meta = serving["metadata"]
-            await _reconcile_and_report(meta.get("namespace"), meta["name"], meta.get("uid"), memo, logger)
+async def profile_changed(name, servings_by_profile: kopf.Index, memo: kopf.Memo, logger, **_):
+    """A profile change (price, limits, selector) re-renders every serving that references it, in the namespaces
+    the operator watches: a profile is cluster-scoped, the operator's scope may not be."""
+    for namespace, serving, uid in list(servings_by_profile.get(name, [])):
+        await _reconcile_and_report(namespace, serving, uid, memo, logger)

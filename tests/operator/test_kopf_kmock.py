@@ -267,6 +267,23 @@ async def test_delete_cleans_up_every_child(operator, serving, profile):
         assert await eventually(lambda: live(operator, resource) == []), resource
 
 
+async def test_a_deleted_serving_s_gauges_are_removed(operator, serving, profile):
+    """Its series end with it: an alert on a deleted serving (SpeculationDegraded) resolves, not fires forever."""
+    from prometheus_client import REGISTRY
+
+    def gauge(metric):
+        return REGISTRY.get_sample_value(metric, {"namespace": "team-a", "serving": "qwen3-8b"})
+
+    await create(operator, profile)
+    await create(operator, with_uid(serving))
+    assert await eventually(lambda: gauge("specserve_operator_speculation_degraded") == 0)
+    assert gauge("specserve_operator_rollout_step") == -1
+    client = cluster_client(operator)
+    await asyncio.to_thread(client.delete, "specserve.io/v1alpha1", "SpeculativeServing", "team-a", "qwen3-8b")
+    assert await eventually(lambda: live(operator, SERVINGS_RESOURCE) == [])
+    assert await eventually(lambda: gauge("specserve_operator_speculation_degraded") is None)
+    assert gauge("specserve_operator_rollout_step") is None
+
 async def test_delete_during_a_slow_resync_leaves_no_child_behind(operator, serving, profile, monkeypatch, reconciles):
     """A resync in flight when the serving is deleted must not re-apply children behind the cleanup."""
     await create(operator, profile)
