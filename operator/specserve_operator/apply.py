@@ -42,20 +42,21 @@ KINDS = {
 # resources, posting events, patching status and finalizers).
 RBAC_RULES = [
     ("specserve.io", "speculativeservings", ["get", "list", "watch", "patch"]),
-    ("specserve.io", "speculativeservings/status", ["get", "patch"]),
-    ("specserve.io", "servingprofiles", ["get", "list", "watch", "patch"]),
-    ("specserve.io", "servingprofiles/status", ["get", "patch"]),
-    ("", "namespaces", ["get", "list", "watch"]),
+    ("specserve.io", "speculativeservings/status", ["patch"]),
+    # children's ownerReferences set blockOwnerDeletion, which clusters enforcing owner references (the
+    # OwnerReferencesPermissionEnforcement admission plugin) allow only to who may update the owner's finalizers
+    ("specserve.io", "speculativeservings/finalizers", ["update"]),
+    ("specserve.io", "servingprofiles", ["get", "list", "watch", "patch"]),  # patch: kopf's annotations
+    ("", "namespaces", ["get", "list", "watch"]),  # list, watch: kopf, with --namespace
     ("", "configmaps", ["get", "list", "create", "patch", "delete"]),
     ("", "services", ["get", "list", "create", "patch", "delete"]),
-    ("", "pods", ["get", "list"]),  # the direct-scrape measurement source lists a revision's ready pods
+    ("", "pods", ["list"]),  # the direct-scrape measurement source lists a revision's ready pods
     ("apps", "deployments", ["get", "list", "create", "patch", "delete"]),
     ("policy", "poddisruptionbudgets", ["get", "list", "create", "patch", "delete"]),
     ("networking.k8s.io", "networkpolicies", ["get", "list", "create", "patch", "delete"]),
     ("gateway.networking.k8s.io", "httproutes", ["get", "list", "create", "patch", "delete"]),
-    ("", "events", ["create"]),
-    ("events.k8s.io", "events", ["create"]),
-    ("apiextensions.k8s.io", "customresourcedefinitions", ["get", "list", "watch"]),
+    ("", "events", ["create"]),  # kopf posts core v1 Events
+    ("apiextensions.k8s.io", "customresourcedefinitions", ["list", "watch"]),  # kopf watches for new CRDs
 ]
 
 
@@ -112,8 +113,15 @@ class Cluster:
             raise
 
     def list(self, api_version: str, kind: str, namespace: str | None, label_selector: str = "") -> list[dict]:
+        """The objects of a kind; none where the cluster does not serve the kind (HTTPRoute without the Gateway
+        API's CRDs)."""
         query = [("labelSelector", label_selector)] if label_selector else []
-        result = self._call("GET", self._path(api_version, kind, namespace), query=query)
+        try:
+            result = self._call("GET", self._path(api_version, kind, namespace), query=query)
+        except ApiException as exc:
+            if exc.status == 404:
+                return []
+            raise
         return list((result or {}).get("items") or [])
 
     def apply(self, obj: dict) -> str:

@@ -54,7 +54,7 @@ def test_rendered_chart_is_valid_and_least_privileged(chart, values):
     assert env["SPECSERVE_PROMETHEUS_URL"] == ""  # by default the operator scrapes runtime pods directly
     role = next(o for o in objects if o["kind"] == "ClusterRole")
     assert not any("*" in rule["verbs"] or "*" in rule["resources"] for rule in role["rules"])
-    assert {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]} in role["rules"]  # direct scrape
+    assert {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]} in role["rules"]  # direct scrape
 
 
 MONITORING_ON = {

@@ -243,6 +243,19 @@ async def test_profile_change_re_renders_its_servings(operator, serving, profile
     assert pod_spec()["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
 
 
+async def test_a_cluster_without_the_gateway_api_is_served_and_cleaned_up(emulator, serving, profile):
+    """Without the Gateway API's CRDs the API answers 404 for HTTPRoutes: a ReplicaRatio serving needs none."""
+    del emulator.resources["gateway.networking.k8s.io/v1/httproutes"]
+    async with running_operator(emulator):
+        await create(emulator, profile)
+        await create(emulator, with_uid(serving))
+        assert await eventually(lambda: status_of(emulator).get("phase") == "Pending")
+        assert live(emulator, "v1/services") == ["qwen3-8b", "qwen3-8b-canary", "qwen3-8b-stable"]
+        client = cluster_client(emulator)
+        await asyncio.to_thread(client.delete, "specserve.io/v1alpha1", "SpeculativeServing", "team-a", "qwen3-8b")
+        assert await eventually(lambda: live(emulator, SERVINGS_RESOURCE) == [])  # the cleanup finished
+        assert live(emulator, DEPLOYMENTS) == []
+
 async def test_operator_restart_creates_no_duplicates(emulator, serving, profile, reconciles):
     async with running_operator(emulator):
         await create(emulator, profile)
@@ -310,12 +323,16 @@ async def test_every_api_call_is_allowed_by_the_cluster_role(operator, serving, 
     await create(operator, profile)
     await create(operator, with_uid(serving))
     name = (await eventually(lambda: live(operator, DEPLOYMENTS)))[0]
+    allowed = {(group, resource, verb) for group, resource, verbs in RBAC_RULES for verb in verbs}
+    # What a cluster enforcing owner references checks besides: blockOwnerDeletion on a child needs update on
+    # its owner's finalizers.
+    (owner,) = operator.objects[DEPLOYMENTS, "team-a", name]["metadata"]["ownerReferences"]
+    assert owner["blockOwnerDeletion"] and ("specserve.io", "speculativeservings/finalizers", "update") in allowed
     await merge_patch(operator, profile, {"spec": {"accelerator": {"count": 2}}})
     await eventually(lambda: operator.objects[DEPLOYMENTS, "team-a", name]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2")
     client = cluster_client(operator)
     await asyncio.to_thread(client.delete, "specserve.io/v1alpha1", "SpeculativeServing", "team-a", "qwen3-8b")
     await eventually(lambda: live(operator, DEPLOYMENTS) == [])
-    allowed = {(group, resource, verb) for group, resource, verbs in RBAC_RULES for verb in verbs}
     ours = {("specserve.io", "servingprofiles", "create"), ("specserve.io", "speculativeservings", "create"),
             ("specserve.io", "servingprofiles", "patch"), ("specserve.io", "speculativeservings", "delete")}
     used = set()
