@@ -201,7 +201,9 @@ async def serving_resync(namespace, name, uid, memo: kopf.Memo, logger, **_):
 
 
 def _decides(spec, status, **_) -> bool:
-    return bool(spec.get("rollout")) or bool((spec.get("autoscaling") or {}).get("enabled")) or bool(status.get("fallback"))
+    """A rollout (the spec's, a fallback's or an applied draft-length schedule's) or autoscaling to decide on."""
+    return bool(spec.get("rollout")) or bool((spec.get("autoscaling") or {}).get("enabled")) or \
+        bool(status.get("fallback")) or bool((status.get("draftSchedule") or {}).get("applied"))
 
 
 @kopf.timer(*SERVINGS, interval=DECISION_TICK_SECONDS, when=_decides)

@@ -13,10 +13,10 @@ The rules, one call per reconcile (`decide`):
   Inconclusive neither passes nor fails: it holds the step (never advances, never promotes) and
   after INCONCLUSIVE_LIMIT consecutive ones sets the condition AnalysisInconclusive.
 - A step is complete when its `analysisSeconds` have passed since it started and its last
-  `required_passes` analyses (analysisSeconds / intervalSeconds, at least 1) all passed; then the
-  next step starts at its weight. A Fail or an Inconclusive interval (a Prometheus outage) starts
-  that count again, so time without evidence (an outage, an operator that was down) never
-  completes a step. After the last step: promote when
+  `required_passes` analyses (analysisSeconds / intervalSeconds, at least 1) passed; then the
+  next step starts at its weight. A Fail starts that count again; an Inconclusive interval (a
+  Prometheus outage) neither adds to it nor resets it, so time without evidence (an outage, an
+  operator that was down) never completes a step. After the last step: promote when
   `autoPromote`, else wait (state AwaitingPromotion, still analysing) for the annotation
   specserve.io/promote: "true" (which may also be set in advance).
 - specserve.io/abort: "true" aborts at once. An aborted candidate keeps its Deployment at zero

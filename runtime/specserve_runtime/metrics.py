@@ -58,7 +58,7 @@ class Metrics:
         self.draft_length_steps = counter("specserve_spec_decode_draft_length_steps",
                                           "Steps with decoding sequences, by the draft tokens per sequence the "
                                           "adaptive rule chose", ["draft_length"])
-        self.rejected = Counter("specserve_requests_rejected", "Requests refused (queue full, draining)", LABELS + ["reason"],
+        self.rejected = Counter("specserve_requests_rejected", "Requests refused with 429 (reason queue_full)", LABELS + ["reason"],
                                 registry=registry)
         Info("specserve_runtime", "What this runtime serves", registry=registry).info(
             {**self.labels, "method": method, "drafter": drafter or ""}

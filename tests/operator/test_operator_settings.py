@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from specserve_operator.main import settings_from_env
+from specserve_operator.main import _decides, settings_from_env
 from specserve_operator.validate import InputProblems
 
 
@@ -50,3 +50,13 @@ def test_the_capacity_priors_file_gives_the_autoscaler_s_priors_and_the_draft_le
     assert settings.draft_lengths["dflash"].acceptance == {0: 1.0, 3: 2.9, 7: 4.4}
     monkeypatch.delenv("SPECSERVE_CAPACITY_PRIORS")
     assert settings_from_env().draft_lengths == {}
+
+
+def test_every_serving_with_a_rollout_or_autoscaling_gets_the_decision_tick():
+    """Including the rollouts the operator starts itself: a fallback, an applied draft-length schedule."""
+    assert not _decides(spec={}, status={})
+    assert not _decides(spec={}, status={"draftSchedule": {"proposed": []}})  # proposed only: nothing rolls
+    assert _decides(spec={"rollout": {"candidate": {}}}, status={})
+    assert _decides(spec={"autoscaling": {"enabled": True}}, status={})
+    assert _decides(spec={}, status={"fallback": {"generation": 1}})
+    assert _decides(spec={}, status={"draftSchedule": {"applied": {"generation": 1}}})
