@@ -142,11 +142,14 @@ class Speculator(Model):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                cel("!(self.method in ['dflash', 'eagle3']) || has(self.draftModel)", "dflash and eagle3 need a draftModel"),
-                cel("self.method != 'none' || !has(self.numSpeculativeTokens)", "method none takes no numSpeculativeTokens"),
-                cel("self.method in ['dflash', 'eagle3'] || !has(self.draftTree)", "draftTree is for methods dflash and eagle3"),
+                cel("!(self.method in ['dflash', 'eagle3']) || has(self.draftModel)", "dflash and eagle3 need a draftModel",
+                    ".draftModel"),
+                cel("self.method != 'none' || !has(self.numSpeculativeTokens)", "method none takes no numSpeculativeTokens",
+                    ".numSpeculativeTokens"),
+                cel("self.method in ['dflash', 'eagle3'] || !has(self.draftTree)", "draftTree is for methods dflash and eagle3",
+                    ".draftTree"),
                 cel("self.method in ['dflash', 'eagle3'] || !has(self.promptLookup)",
-                    "promptLookup is for methods dflash and eagle3"),
+                    "promptLookup is for methods dflash and eagle3", ".promptLookup"),
                 *SCHEDULE_RULES,
             ]
         }
@@ -253,7 +256,7 @@ class RuntimeOverride(Model):
 
 
 class Replicas(Model):
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [cel("self.min <= self.max", "min must be <= max")]})
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [cel("self.min <= self.max", "min must be <= max", ".min")]})
     min: int = Field(1, ge=0, le=1000)
     max: int = Field(1, ge=1, le=1000)
     desired: int | None = Field(
