@@ -145,6 +145,14 @@ def check_against_profile(serving: Serving, profile: Profile | None, namespace_l
             )
     if limits.max_num_speculative_tokens is not None:
         problems += speculative_tokens_problems(spec, profile)
+    images = [("spec.runtime.image", spec.runtime.image)]
+    if spec.rollout is not None and spec.rollout.candidate.runtime is not None:
+        images.append(("spec.rollout.candidate.runtime.image", spec.rollout.candidate.runtime.image))
+    for path, image in images:
+        if image is not None and not api.image_allowed(image, limits.allowed_images):
+            allowed = ", ".join(limits.allowed_images) or "none besides the engines' defaults"
+            problems.append(f"{path}: image {image!r} is not allowed by ServingProfile {profile.name!r} "
+                            f"(limits.allowedImages: {allowed})")
     if spec.replicas.max > limits.max_replicas:
         problems.append(
             f"spec.replicas.max: {spec.replicas.max} exceeds ServingProfile {profile.name!r} limits.maxReplicas "

@@ -423,6 +423,34 @@ def test_profile_rules(example_documents):
     ]
 
 
+def test_a_tenant_names_only_the_images_its_profile_allows(example_documents):
+    from specserve_operator import api
+
+    serving, profile, labels = parsed(example_documents)  # the example allows registry.example.com/specserve/
+    assert serving.spec.runtime.image == "registry.example.com/specserve/runtime:0.1.0"
+
+    def allowing(*images):
+        limits = profile.spec.limits.model_copy(update={"allowed_images": list(images)})
+        return profile.__class__(profile.name, profile.spec.model_copy(update={"limits": limits}))
+
+    def with_images(stable, candidate=None):
+        rollout = serving.spec.rollout.model_copy(update={"candidate": serving.spec.rollout.candidate.model_copy(
+            update={"runtime": api.RuntimeOverride(image=candidate) if candidate else None})})
+        spec = serving.spec.model_copy(update={"runtime": serving.spec.runtime.model_copy(update={"image": stable}),
+                                               "rollout": rollout})
+        return serving.__class__(serving.name, serving.namespace, None, spec)
+
+    assert check_against_profile(serving, allowing("registry.example.com/specserve/runtime:0.1.0"), labels) == []
+    assert check_against_profile(serving, allowing(), labels) == [
+        "spec.runtime.image: image 'registry.example.com/specserve/runtime:0.1.0' is not allowed by ServingProfile "
+        "'team-a-h100' (limits.allowedImages: none besides the engines' defaults)"]
+    # A prefix without '/' allows no look-alike path; the engines' default images need no entry.
+    evil = with_images(api.RUNTIME_IMAGES["vllm"], "registry.example.com/specserve-evil/runtime:1")
+    assert check_against_profile(evil, allowing("registry.example.com/specserve/"), labels) == [
+        "spec.rollout.candidate.runtime.image: image 'registry.example.com/specserve-evil/runtime:1' is not allowed by "
+        "ServingProfile 'team-a-h100' (limits.allowedImages: registry.example.com/specserve/)"]
+    assert check_against_profile(with_images(None), allowing(), labels) == []
+
 def test_a_profile_limits_the_drafts_a_step_and_a_tenant_cannot_raise_it(example_documents):
     from specserve_operator import api
 

@@ -91,6 +91,16 @@ class Kueue(Model):
     priority_class: str | None = None
 
 
+ImageRef = Annotated[str, Field(min_length=1, max_length=512, pattern=r"^[^\s]+$")]
+
+
+def image_allowed(image: str, allowed: list[str]) -> bool:
+    """An engine's default image always; another one where an entry names it exactly, or an entry ending in '/'
+    (a registry or repository path) is its prefix."""
+    return image in RUNTIME_IMAGES.values() or any(
+        image.startswith(entry) if entry.endswith("/") else image == entry for entry in allowed)
+
+
 class ProfileLimits(Model):
     max_replicas: int = Field(8, ge=1, le=1000, description="per SpeculativeServing, all revisions together")
     max_hourly_cost_usd: float | None = Field(None, alias="maxHourlyCostUSD", gt=0)
@@ -98,6 +108,10 @@ class ProfileLimits(Model):
     max_num_speculative_tokens: int | None = Field(
         None, ge=1, le=64, description="the most drafts a step a serving may run (numSpeculativeTokens and every "
         "numSpeculativeTokensPerBatchSize entry); a speculating serving must then name its numSpeculativeTokens")
+    allowed_images: list[ImageRef] = Field(
+        [], max_length=64, description="the runtime images a serving may name (runtime.image): an entry ending in '/' "
+        "allows every image under that path, any other entry that image alone; the engines' default images are always "
+        "allowed, and with no entry they are the only ones")
 
 
 class Slo(Model):
