@@ -57,6 +57,16 @@ def test_rendered_chart_is_valid_and_least_privileged(chart, values):
     assert {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]} in role["rules"]  # direct scrape
 
 
+def test_a_prometheus_url_with_credentials_comes_from_a_secret_and_the_operator_runs_with_its_own_group(chart):
+    objects = rendered_objects(chart, {"prometheus": {"urlSecret": {"name": "prometheus-url", "key": "url"}}})
+    deployment = next(o for o in objects if o["kind"] == "Deployment")
+    kubernetes_validate.validate(deployment, MIN_KUBERNETES, strict=True)
+    pod = deployment["spec"]["template"]["spec"]
+    (url,) = [e for e in pod["containers"][0]["env"] if e["name"] == "SPECSERVE_PROMETHEUS_URL"]
+    assert url == {"name": "SPECSERVE_PROMETHEUS_URL",
+                   "valueFrom": {"secretKeyRef": {"name": "prometheus-url", "key": "url"}}}  # no value in the spec
+    assert pod["securityContext"]["runAsGroup"] == 10001
+
 MONITORING_ON = {
     "prometheus": {"url": "http://prometheus.monitoring:9090"},
     "podMonitor": {"enabled": True, "labels": {"release": "kps"}},
@@ -219,6 +229,7 @@ def test_the_operator_pod_is_hardened(chart):
     ({"podMonitor": {"enabled": True, "lables": {}}}, "lables"),
     ({"prometheusRule": {"enabled": "true"}}, "/prometheusRule/enabled"),
     ({"prometheus": {"url": "prometheus:9090"}}, "/prometheus/url"),
+    ({"prometheus": {"urlSecret": {"name": "prometheus-url"}}}, "key"),
     ({"autoscaleIntervalSeconds": 0}, "/autoscaleIntervalSeconds"),
     ({"replicaStartupSeconds": -1}, "/replicaStartupSeconds"),
     ({"capacityPriors": {"dflash": {"curve": [{"concurrency": 1, "tokensPerSecond": 5, "ttftMs": 1}]}}}, "tokensPerSecond"),
