@@ -39,7 +39,7 @@ KINDS = {
 }
 
 # Every (API group, resource, verbs) the operator needs: here and in kopf (watching its own
-# resources, posting events, patching status and finalizers).
+# resources, posting events, patching status and finalizers). cluster_roles splits them by where they are bound.
 RBAC_RULES = [
     ("specserve.io", "speculativeservings", ["get", "list", "watch", "patch"]),
     ("specserve.io", "speculativeservings/status", ["patch"]),
@@ -55,18 +55,32 @@ RBAC_RULES = [
     ("policy", "poddisruptionbudgets", ["get", "list", "create", "patch", "delete"]),
     ("networking.k8s.io", "networkpolicies", ["get", "list", "create", "patch", "delete"]),
     ("gateway.networking.k8s.io", "httproutes", ["get", "list", "create", "patch", "delete"]),
-    ("", "events", ["create"]),  # kopf posts core v1 Events
+    ("", "events", ["create"]),  # kopf posts core v1 Events: a profile's in the operator's own namespace
     ("apiextensions.k8s.io", "customresourcedefinitions", ["list", "watch"]),  # kopf watches for new CRDs
 ]
 
 
-def cluster_role(name: str = "specserve-operator") -> dict:
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "ClusterRole",
-        "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "specserve-operator"}},
-        "rules": [{"apiGroups": [group], "resources": [resource], "verbs": verbs} for group, resource, verbs in RBAC_RULES],
-    }
+# Bound cluster-wide whatever the operator watches: cluster-scoped resources, and Events (a cluster-scoped object's
+# go to the operator's namespace).
+CLUSTER_WIDE = {"servingprofiles", "namespaces", "customresourcedefinitions", "events"}
+
+
+def cluster_roles(name: str = "specserve-operator") -> list[dict]:
+    """`name`, the rules on namespaced resources: bound cluster-wide when the operator watches every namespace,
+    else in each namespace it watches (a RoleBinding); `name`-cluster, the rest, always bound cluster-wide."""
+    def role(role_name: str, rules: list) -> dict:
+        return {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": {"name": role_name, "labels": {"app.kubernetes.io/name": "specserve-operator"}},
+            "rules": [{"apiGroups": [group], "resources": [resource], "verbs": verbs} for group, resource, verbs in rules],
+        }
+
+    def cluster_wide(rule) -> bool:
+        return rule[1].split("/")[0] in CLUSTER_WIDE
+
+    return [role(name, [r for r in RBAC_RULES if not cluster_wide(r)]),
+            role(f"{name}-cluster", [r for r in RBAC_RULES if cluster_wide(r)])]
 
 
 def object_hash(obj: dict) -> str:

@@ -118,9 +118,9 @@ def cmd_crds(args) -> int:
 
 
 def cmd_rbac(args) -> int:
-    from .apply import cluster_role
+    from .apply import cluster_roles
 
-    sys.stdout.write(yaml.safe_dump(cluster_role(), sort_keys=False))
+    sys.stdout.write(yaml.safe_dump_all(cluster_roles(), sort_keys=False))
     return 0
 
 

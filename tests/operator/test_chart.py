@@ -41,7 +41,8 @@ def test_chart_lints_clean():
 def test_rendered_chart_is_valid_and_least_privileged(chart, values):
     objects = rendered_objects(chart, values)
     kinds = sorted(o["kind"] for o in objects)
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "NetworkPolicy", "ServiceAccount"]
+    assert kinds == sorted(["ClusterRole", "ClusterRole", "ClusterRoleBinding", "Deployment", "NetworkPolicy", "ServiceAccount"]
+                           + (["ClusterRoleBinding"] if not values else ["RoleBinding", "RoleBinding"]))
     for obj in objects:
         kubernetes_validate.validate(obj, MIN_KUBERNETES, strict=True)
     deployment = next(o for o in objects if o["kind"] == "Deployment")
@@ -52,9 +53,16 @@ def test_rendered_chart_is_valid_and_least_privileged(chart, values):
     assert container["args"] == ["operator"] + expected_scope
     env = {e["name"]: e["value"] for e in container["env"]}
     assert env["SPECSERVE_PROMETHEUS_URL"] == ""  # by default the operator scrapes runtime pods directly
-    role = next(o for o in objects if o["kind"] == "ClusterRole")
-    assert not any("*" in rule["verbs"] or "*" in rule["resources"] for rule in role["rules"])
-    assert {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]} in role["rules"]  # direct scrape
+    roles = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ClusterRole"}
+    assert not any("*" in rule["verbs"] or "*" in rule["resources"] for role in roles.values() for rule in role["rules"])
+    assert {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]} in roles["specserve-operator"]["rules"]  # direct scrape
+    # The namespaced kinds are granted cluster-wide only when the operator watches every namespace.
+    bindings = {(o["kind"], o["metadata"].get("namespace"), o["roleRef"]["name"]) for o in objects if "roleRef" in o}
+    assert all(subject == {"kind": "ServiceAccount", "name": "specserve-operator", "namespace": "specserve-system"}
+               for o in objects if "roleRef" in o for subject in o["subjects"])
+    assert bindings == {("ClusterRoleBinding", None, "specserve-operator-cluster")} | (
+        {("ClusterRoleBinding", None, "specserve-operator")} if not values else
+        {("RoleBinding", "team-a", "specserve-operator"), ("RoleBinding", "team-b", "specserve-operator")})
 
 
 def test_a_prometheus_url_with_credentials_comes_from_a_secret_and_the_operator_runs_with_its_own_group(chart):
@@ -77,9 +85,8 @@ MONITORING_ON = {
 def test_monitoring_values_render_prometheus_url_pod_and_service_monitors(chart):
     objects = rendered_objects(chart, MONITORING_ON)
     kinds = sorted(o["kind"] for o in objects)
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "NetworkPolicy", "PodMonitor", "Service",
-                     "ServiceAccount",
-                     "ServiceMonitor"]
+    assert kinds == ["ClusterRole", "ClusterRole", "ClusterRoleBinding", "ClusterRoleBinding", "Deployment",
+                     "NetworkPolicy", "PodMonitor", "Service", "ServiceAccount", "ServiceMonitor"]
     for obj in objects:  # kubernetes-validate has no schemas for monitoring.coreos.com: checked by hand below
         if obj["apiVersion"] != "monitoring.coreos.com/v1":
             kubernetes_validate.validate(obj, MIN_KUBERNETES, strict=True)

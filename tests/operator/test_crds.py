@@ -10,7 +10,7 @@ import yaml
 from jsonschema import Draft4Validator
 
 from specserve_operator import api
-from specserve_operator.apply import RBAC_RULES, cluster_role
+from specserve_operator.apply import KINDS, RBAC_RULES, cluster_roles
 from specserve_operator.crd import all_crds, render_yaml
 from specserve_operator.validate import parse_profile, parse_serving
 
@@ -267,11 +267,22 @@ def test_chart_ships_the_generated_crds():
         assert (Path("charts/specserve/crds") / name).read_text() == (CRD_DIR / name).read_text()
 
 
-def test_cluster_role_in_the_chart_is_the_generated_one():
-    chart_role = yaml.safe_load(Path("charts/specserve/templates/clusterrole.yaml").read_text().split("\n", 1)[1])
-    assert chart_role["rules"] == cluster_role()["rules"]
-    kubernetes_validate.validate(cluster_role(), "1.30", strict=True)
+def test_cluster_roles_in_the_chart_are_the_generated_ones():
+    chart_roles = list(yaml.safe_load_all(Path("charts/specserve/templates/clusterrole.yaml").read_text().split("\n", 1)[1]))
+    assert chart_roles == cluster_roles()
+    for role in cluster_roles():
+        kubernetes_validate.validate(role, "1.30", strict=True)
     assert all("*" not in verbs and "*" != resource for _, resource, verbs in RBAC_RULES)
+
+
+def test_only_cluster_scoped_resources_and_events_are_granted_cluster_wide_whatever_the_operator_watches():
+    """specserve-operator (namespaced kinds) is bound per watched namespace unless the operator watches them all."""
+    namespaced, cluster = cluster_roles()
+    scoped = {kind.plural: kind.namespaced for kind in KINDS.values()}
+    assert all(scoped[rule["resources"][0].split("/")[0]] for rule in namespaced["rules"])
+    assert {rule["resources"][0] for rule in cluster["rules"]} == {
+        "servingprofiles", "namespaces", "customresourcedefinitions", "events"}
+    assert len(namespaced["rules"]) + len(cluster["rules"]) == len(RBAC_RULES)
 
 
 def test_api_group_and_version():
