@@ -331,6 +331,9 @@ def test_the_alert_rules_ship_as_a_prometheus_rule_querying_only_exported_series
     label one the runtimes and the operator export (as the chart's monitors label them), in rules promtool accepts."""
     assert not [o for o in rendered_objects(chart, {}) if o["kind"] == "PrometheusRule"]  # off by default
     values = {"prometheusRule": {"enabled": True, "labels": {"release": "kps"}}}
+    with pytest.raises(Exception, match="prometheusRule.enabled needs podMonitor.enabled and serviceMonitor.enabled"):
+        rendered_objects(chart, values)  # alerts on series that nothing labels would never fire, or always
+    values |= {"podMonitor": {"enabled": True}, "serviceMonitor": {"enabled": True}}
     (rule,) = [o for o in rendered_objects(chart, values) if o["kind"] == "PrometheusRule"]
     assert rule["apiVersion"] == "monitoring.coreos.com/v1" and rule["metadata"]["namespace"] == "specserve-system"
     assert rule["metadata"]["labels"]["release"] == "kps"
