@@ -61,8 +61,7 @@ def speculation_health(spec: api.SpeculativeServingSpec, settings: Settings, pre
     elif was and not degraded:
         events.append(Event("Normal", "SpeculationRecovered", message))
     reason = "Degraded" if degraded else "NotSustained" if analysis.verdict == "Degraded" else analysis.verdict
-    lengths = settings.draft_lengths.get(live.speculator.method)
-    lengths = schedule.within_limit(lengths, max_drafts) if lengths is not None else None
+    lengths = schedule.within_limit(settings.draft_lengths.get(live.speculator.method), max_drafts)
     if policy.schedule != "Off" and lengths is not None:
         proposal = schedule.propose_for(draft_schedule, live.speculator, live.hash, window, lengths, timestamp(now))
         if proposal is not None and (draft_schedule is None or proposal.proposed != draft_schedule.proposed):

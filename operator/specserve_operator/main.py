@@ -88,6 +88,7 @@ SPEEDUP = Gauge("specserve_operator_speculation_speedup",
 
 SERVING_GAUGES = (STEP, DESIRED, TOKENS_PER_DOLLAR, GOODPUT, SPECULATION_DEGRADED, ACCEPTANCE_RATIO, SLO_ITL, SLO_TTFT, SPEEDUP)
 
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_):
     settings.persistence.finalizer = "specserve.io/cleanup"

@@ -53,10 +53,11 @@ def draft_lengths(performance: Performance) -> dict[str, DraftLengths]:
     return found
 
 
-def within_limit(measured: DraftLengths, limit: int | None) -> DraftLengths | None:
+def within_limit(measured: DraftLengths | None, limit: int | None) -> DraftLengths | None:
     """The draft lengths the tenant's profile allows (limits.maxNumSpeculativeTokens): what the operator proposes
-    for a tenant stays within the limits the tenant's own spec must. None when no drafting length is left."""
-    if limit is None:
+    for a tenant stays within the limits the tenant's own spec must. None when none were measured or no drafting
+    length is left."""
+    if measured is None or limit is None:
         return measured
     curves = {k: curve for k, curve in measured.curves.items() if k <= limit}
     if len(curves) < 2:

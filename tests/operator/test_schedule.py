@@ -96,6 +96,7 @@ def test_only_the_lengths_the_profile_allows_are_proposed_and_one_proposed_beyon
     allowed = within_limit(LENGTHS, 3)
     assert sorted(allowed.curves) == sorted(allowed.acceptance) == [0, 3]
     assert within_limit(LENGTHS, None) == LENGTHS and within_limit(LENGTHS, 2) is None  # nothing left to draft
+    assert within_limit(None, 3) is None  # the method has no measured draft lengths
     status = propose_for(None, SEVEN, "live", window(AS_BENCHED), allowed, AT)
     assert max(r.num_speculative_tokens for r in status.proposed) <= 3
     assert not exceeds_limit(status, 3)
