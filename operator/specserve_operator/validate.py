@@ -8,7 +8,7 @@ import re
 import sys
 
 from pydantic import ValidationError
-from specserve_runtime.config import local_reference
+from specserve_runtime.config import REMOTE_CODE_FLAG, flags_set, local_reference
 from specserve_runtime.errors import field_location
 from specserve_runtime.launch import DrafterLayoutError, check_vllm_drafter
 
@@ -153,6 +153,8 @@ def check_against_profile(serving: Serving, profile: Profile | None, namespace_l
             allowed = ", ".join(limits.allowed_images) or "none besides the engines' defaults"
             problems.append(f"{path}: image {image!r} is not allowed by ServingProfile {profile.name!r} "
                             f"(limits.allowedImages: {allowed})")
+    if not limits.allow_trust_remote_code:
+        problems += remote_code_problems(spec, profile)
     if spec.replicas.max > limits.max_replicas:
         problems.append(
             f"spec.replicas.max: {spec.replicas.max} exceeds ServingProfile {profile.name!r} limits.maxReplicas "
@@ -165,6 +167,16 @@ def check_against_profile(serving: Serving, profile: Profile | None, namespace_l
             f"{profile.name!r} limits.maxHourlyCostUSD (${limits.max_hourly_cost_usd:.2f}/h)"
         )
     return problems
+
+
+def remote_code_problems(spec: api.SpeculativeServingSpec, profile: Profile) -> list[str]:
+    """Engine arguments that would run the model repository's own code, which the profile has not allowed."""
+    runtimes = [("spec.runtime.args", spec.runtime)]
+    if spec.rollout is not None and spec.rollout.candidate.runtime is not None:
+        runtimes.append(("spec.rollout.candidate.runtime.args", spec.rollout.candidate.runtime))
+    return [f"{path}[{index}]: {arg!r} runs the Python that the model's repository ships, which ServingProfile "
+            f"{profile.name!r} does not allow (limits.allowTrustRemoteCode)"
+            for path, runtime in runtimes for index, arg, _ in flags_set(runtime.args, (REMOTE_CODE_FLAG,))]
 
 
 def speculative_tokens_problems(spec: api.SpeculativeServingSpec, profile: Profile) -> list[str]:

@@ -124,20 +124,29 @@ def scheduled_tokens(schedule: list[BatchSizeRange], batch_size: int) -> int:
 # engine arguments that set one would override what the operator checked against the tenant's profile. vLLM's
 # parser reads --a_b as --a-b, --a.b=x as a key of --a's JSON, and, as argparse does, a unique prefix as the flag.
 RESERVED_ENGINE_FLAGS = ("--model", "--served-model-name", "--host", "--port", "--speculative-config", "--config")
+# Runs Python that the model's repository ships (vLLM's --trust-remote-code): only where the profile allows it.
+REMOTE_CODE_FLAG = "--trust-remote-code"
 # The same rule for the CRD's CEL (whole flags; the prefixes are caught by refuse_reserved_flags).
 RESERVED_ENGINE_FLAGS_RE = f"^--({'|'.join(f[2:].replace('-', '[-_]') for f in RESERVED_ENGINE_FLAGS)})([=.].*)?$"
 
 
-def refuse_reserved_flags(args: list[str] | None) -> list[str] | None:
-    """A field validator for extra engine arguments: every one that sets a reserved flag, named."""
-    problems = []
+def flags_set(args: list[str] | None, flags: tuple[str, ...]) -> list[tuple[int, str, str]]:
+    """(index, argument, flag) for each of the extra engine arguments that sets one of `flags`, in any spelling
+    vLLM's parser reads as that flag."""
+    found = []
     for index, arg in enumerate(args or []):
         name = arg.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
         if len(name) > 2 and name.startswith("--"):
-            flag = next((f for f in RESERVED_ENGINE_FLAGS if f.startswith(name)), None)
+            flag = next((f for f in flags if f.startswith(name)), None)
             if flag:
-                problems.append(f"[{index}] {arg!r}: {flag} is set from the serving's own fields, never from extra "
-                                "arguments")
+                found.append((index, arg, flag))
+    return found
+
+
+def refuse_reserved_flags(args: list[str] | None) -> list[str] | None:
+    """A field validator for extra engine arguments: every one that sets a reserved flag, named."""
+    problems = [f"[{index}] {arg!r}: {flag} is set from the serving's own fields, never from extra arguments"
+                for index, arg, flag in flags_set(args, RESERVED_ENGINE_FLAGS)]
     if problems:
         raise ValueError("; ".join(problems))
     return args

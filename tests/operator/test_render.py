@@ -451,6 +451,36 @@ def test_a_tenant_names_only_the_images_its_profile_allows(example_documents):
         "ServingProfile 'team-a-h100' (limits.allowedImages: registry.example.com/specserve/)"]
     assert check_against_profile(with_images(None), allowing(), labels) == []
 
+
+def test_a_tenant_runs_a_model_repositorys_code_only_where_its_profile_allows_it(example_documents):
+    from specserve_operator import api
+
+    serving, profile, labels = parsed(example_documents)
+
+    def with_args(stable, candidate=None):
+        rollout = serving.spec.rollout.model_copy(update={"candidate": serving.spec.rollout.candidate.model_copy(
+            update={"runtime": api.RuntimeOverride(args=candidate) if candidate is not None else None})})
+        spec = serving.spec.model_copy(update={"runtime": serving.spec.runtime.model_copy(update={"args": stable}),
+                                               "rollout": rollout})
+        return serving.__class__(serving.name, serving.namespace, None, spec)
+
+    def allowing(allowed):
+        limits = profile.spec.limits.model_copy(update={"allow_trust_remote_code": allowed})
+        return profile.__class__(profile.name, profile.spec.model_copy(update={"limits": limits}))
+
+    assert profile.spec.limits.allow_trust_remote_code is False  # off unless the platform team turns it on
+    # Every spelling vLLM's parser reads as the flag: underscores, a unique prefix; its negation runs nothing.
+    remote = with_args(["--max-num-batched-tokens", "32768", "--trust-remote-code"], ["--trust_remote_code"])
+    assert check_against_profile(remote, profile, labels) == [
+        "spec.runtime.args[2]: '--trust-remote-code' runs the Python that the model's repository ships, which "
+        "ServingProfile 'team-a-h100' does not allow (limits.allowTrustRemoteCode)",
+        "spec.rollout.candidate.runtime.args[0]: '--trust_remote_code' runs the Python that the model's repository "
+        "ships, which ServingProfile 'team-a-h100' does not allow (limits.allowTrustRemoteCode)"]
+    assert len(check_against_profile(with_args(["--trust-rem"]), profile, labels)) == 1
+    assert check_against_profile(with_args(["--no-trust-remote-code"]), profile, labels) == []
+    assert check_against_profile(remote, allowing(True), labels) == []
+
+
 def test_a_profile_limits_the_drafts_a_step_and_a_tenant_cannot_raise_it(example_documents):
     from specserve_operator import api
 

@@ -112,6 +112,9 @@ class ProfileLimits(Model):
         [], max_length=64, description="the runtime images a serving may name (runtime.image): an entry ending in '/' "
         "allows every image under that path, any other entry that image alone; the engines' default images are always "
         "allowed, and with no entry they are the only ones")
+    allow_trust_remote_code: bool = Field(
+        False, description="whether a serving's runtime.args may pass --trust-remote-code, which runs the Python "
+        "that the model's repository ships in the serving's pods")
 
 
 class Slo(Model):
