@@ -1,4 +1,4 @@
-"""`specserve render`, `specserve operator`, `specserve crds`, `specserve rbac`: the commands of the operator
+"""`specserve render`, `specserve operator`, `specserve crds`, `specserve rbac`, `specserve admission-policy`: the commands of the operator
 itself. The local tools (canary, demo, simulate, bench-operator) are in `local/`."""
 
 import sys
@@ -124,6 +124,13 @@ def cmd_rbac(args) -> int:
     return 0
 
 
+def cmd_admission_policy(args) -> int:
+    from .admission import policy
+
+    sys.stdout.write(yaml.safe_dump_all(policy(), sort_keys=False))
+    return 0
+
+
 def cmd_operator(args) -> int:
     import kopf
     from prometheus_client import start_http_server
@@ -169,3 +176,7 @@ def add_commands(commands) -> None:
 
     rbac = commands.add_parser("rbac", help="print the operator's least-privilege ClusterRole")
     rbac.set_defaults(run=cmd_rbac)
+
+    admission = commands.add_parser("admission-policy", help="print the ValidatingAdmissionPolicy that enforces "
+                                    "the ServingProfiles' limits at admission, and its binding")
+    admission.set_defaults(run=cmd_admission_policy)

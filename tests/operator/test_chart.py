@@ -41,7 +41,8 @@ def test_chart_lints_clean():
 def test_rendered_chart_is_valid_and_least_privileged(chart, values):
     objects = rendered_objects(chart, values)
     kinds = sorted(o["kind"] for o in objects)
-    assert kinds == sorted(["ClusterRole", "ClusterRole", "ClusterRoleBinding", "Deployment", "NetworkPolicy", "ServiceAccount"]
+    assert kinds == sorted(["ClusterRole", "ClusterRole", "ClusterRoleBinding", "Deployment", "NetworkPolicy", "ServiceAccount",
+                            "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
                            + (["ClusterRoleBinding"] if not values else ["RoleBinding", "RoleBinding"]))
     for obj in objects:
         kubernetes_validate.validate(obj, MIN_KUBERNETES, strict=True)
@@ -86,7 +87,8 @@ def test_monitoring_values_render_prometheus_url_pod_and_service_monitors(chart)
     objects = rendered_objects(chart, MONITORING_ON)
     kinds = sorted(o["kind"] for o in objects)
     assert kinds == ["ClusterRole", "ClusterRole", "ClusterRoleBinding", "ClusterRoleBinding", "Deployment",
-                     "NetworkPolicy", "PodMonitor", "Service", "ServiceAccount", "ServiceMonitor"]
+                     "NetworkPolicy", "PodMonitor", "Service", "ServiceAccount", "ServiceMonitor",
+                     "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     for obj in objects:  # kubernetes-validate has no schemas for monitoring.coreos.com: checked by hand below
         if obj["apiVersion"] != "monitoring.coreos.com/v1":
             kubernetes_validate.validate(obj, MIN_KUBERNETES, strict=True)
@@ -254,6 +256,18 @@ def test_every_value_is_in_the_schema(chart):
     schema = json.loads(Path(CHART, "values.schema.json").read_text())
     defaults = yaml.safe_load(Path(CHART, "values.yaml").read_text())
     assert set(defaults) == set(schema["properties"]) == set(schema["required"])
+
+
+def test_the_chart_ships_the_generated_admission_policy_unless_it_is_turned_off(chart):
+    from specserve_operator.admission import policy
+
+    template = Path(CHART, "templates/admissionpolicy.yaml").read_text().splitlines(keepends=True)
+    assert list(yaml.safe_load_all("".join(template[2:-1]))) == policy(), "stale: see the template's first line"
+    for values, expected in [({}, policy()), ({"admissionPolicy": {"enabled": False}}, [])]:
+        files = chart.render(values, name="specserve", namespace="specserve-system", is_install=True)
+        assert [d for d in yaml.safe_load_all(files["specserve/templates/admissionpolicy.yaml"]) if d] == expected
+    for document in policy():
+        kubernetes_validate.validate(document, MIN_KUBERNETES, strict=True)
 
 
 def test_notes_say_what_to_run_next(chart):
