@@ -75,6 +75,14 @@ def emulator(kmock, tmp_path, monkeypatch):
     kmock.resources["gateway.networking.k8s.io/v1/httproutes"] = kmock_info("HTTPRoute", True, verbs, set())
     # KMock 0.8 parses /api/v1/namespaces/<name> as a namespace prefix, not as a Namespace: serve it directly.
     kmock["get /api/v1/namespaces/team-a"] << NAMESPACE
+    # ... and fails on the Namespace list itself (/api/v1/namespaces, which kopf lists and watches when it serves
+    # named namespaces): read it as the list, of the Namespace the emulator holds.
+    from kmock._internal import parsing
+
+    parse_path = parsing.parse_path
+    monkeypatch.setattr(parsing, "parse_path", lambda path: parsing.ParsedPath("", "v1", "namespaces")
+                        if path.strip("/") == "api/v1/namespaces" else parse_path(path))
+    kmock.objects["v1/namespaces", None, "team-a"] = NAMESPACE
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(
         yaml.safe_dump(
@@ -119,9 +127,10 @@ def login_to_kmock(**_):
 
 
 @contextlib.asynccontextmanager
-async def running_operator(emulator, **memo):
-    """The real kopf operator (our handlers) in the test's event loop, stopped on exit. `memo` entries
-    replace the operator's own (`source` of measurements, `clock`)."""
+async def running_operator(emulator, namespaces: list[str] | None = None, **memo):
+    """The real kopf operator (our handlers) in the test's event loop, stopped on exit: watching every namespace, or
+    only `namespaces` (the chart's allNamespaces: false). `memo` entries replace the operator's own (`source` of
+    measurements, `clock`)."""
     import specserve_operator.main  # noqa: F401  (registers the handlers)
 
     _CURRENT_SERVER["url"] = str(emulator.url).rstrip("/")
@@ -131,7 +140,7 @@ async def running_operator(emulator, **memo):
     logging.getLogger("kopf").setLevel(logging.WARNING)
     task = asyncio.create_task(
         kopf.operator(
-            standalone=True, clusterwide=True, stop_flag=stop, ready_flag=ready,
+            standalone=True, clusterwide=namespaces is None, namespaces=namespaces or [], stop_flag=stop, ready_flag=ready,
             memo=kopf.Memo(cluster=cluster_client(emulator), **memo), settings=settings,
         )
     )

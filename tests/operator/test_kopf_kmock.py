@@ -315,6 +315,21 @@ async def test_delete_during_a_slow_resync_leaves_no_child_behind(operator, serv
 VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "UPDATE": "patch", "DELETE": "delete"}
 
 
+def api_calls(emulator, first: int) -> set[tuple[str, str, str, str | None]]:
+    """(API group, resource, verb, namespace or None) of every call the emulator took after its first `first`."""
+    calls = set()
+    for request in list(emulator)[first:]:
+        if request.resource is None or request.action is None:
+            continue  # discovery (/api, /apis): allowed to every authenticated client
+        if request.resource.plural is None:
+            if request.url.path == "/api/v1/namespaces/team-a":  # KMock parses this GET as a bare namespace
+                calls.add(("", "namespaces", "get", None))
+            continue  # otherwise discovery of a group version
+        resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
+        calls.add((request.resource.group, resource, VERBS[request.action.name], request.namespace))
+    return calls
+
+
 async def test_every_api_call_is_allowed_by_the_cluster_role(operator, serving, profile):
     """Least privilege, checked against what the operator (our code and kopf) really calls."""
     from specserve_operator.apply import RBAC_RULES
@@ -335,20 +350,45 @@ async def test_every_api_call_is_allowed_by_the_cluster_role(operator, serving, 
     await eventually(lambda: live(operator, DEPLOYMENTS) == [])
     ours = {("specserve.io", "servingprofiles", "create"), ("specserve.io", "speculativeservings", "create"),
             ("specserve.io", "servingprofiles", "patch"), ("specserve.io", "speculativeservings", "delete")}
-    used = set()
-    for request in list(operator)[test_calls:]:
-        if request.resource is None or request.action is None:
-            continue  # discovery (/api, /apis): allowed to every authenticated client
-        if request.resource.plural is None:
-            if request.url.path == "/api/v1/namespaces/team-a":  # KMock parses this GET as a bare namespace
-                used.add(("", "namespaces", "get"))
-            continue  # otherwise discovery of a group version
-        resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
-        used.add((request.resource.group, resource, VERBS[request.action.name]))
+    used = {call[:3] for call in api_calls(operator, test_calls)}
     # The test itself created and deleted the custom resources; everything else is the operator's.
     calls = used - {c for c in ours if c not in allowed}
     assert calls - allowed == set(), calls - allowed
     assert ("apps", "deployments", "create") in calls and ("", "events", "create") in calls
+
+
+async def test_an_operator_watching_named_namespaces_calls_only_what_their_role_bindings_grant(emulator, serving, profile):
+    """The chart's allNamespaces: false: the namespaced kinds are granted by a RoleBinding in each watched namespace,
+    the rest cluster-wide (apply.cluster_roles); every call stays within that, and a serving in a namespace the
+    operator does not watch is never touched."""
+    from specserve_operator.apply import cluster_roles
+
+    def grants(role):
+        return {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
+                for resource in rule["resources"] for verb in rule["verbs"]}
+
+    in_watched_namespaces, cluster_wide = (grants(role) for role in cluster_roles())
+    async with running_operator(emulator, namespaces=["team-a"]):
+        first = len(list(emulator))
+        await create(emulator, profile)
+        elsewhere = copy.deepcopy(serving)
+        elsewhere["metadata"]["namespace"] = "team-b"
+        await create(emulator, with_uid(elsewhere))
+        await create(emulator, with_uid(serving))
+        await eventually(lambda: status_of(emulator).get("phase") == "Pending")
+        assert len(live(emulator, DEPLOYMENTS)) == 1
+        client = cluster_client(emulator)
+        await asyncio.to_thread(client.delete, "specserve.io/v1alpha1", "SpeculativeServing", "team-a", "qwen3-8b")
+        await eventually(lambda: live(emulator, DEPLOYMENTS) == [] and live(emulator, SERVINGS_RESOURCE) == ["qwen3-8b"])
+    ours = {("specserve.io", "servingprofiles", "create", None), ("specserve.io", "speculativeservings", "create", "team-a"),
+            ("specserve.io", "speculativeservings", "create", "team-b"), ("specserve.io", "speculativeservings", "delete", "team-a")}
+    calls = api_calls(emulator, first) - ours
+    assert ("apps", "deployments", "create", "team-a") in calls
+    outside = {call for call in calls if call[:3] not in cluster_wide and not (call[:3] in in_watched_namespaces and call[3] == "team-a")}
+    assert outside == set()
+    assert {call for call in calls if call[3] == "team-b"} == set()
+    unwatched = emulator.objects[SERVINGS_RESOURCE, "team-b", "qwen3-8b"]
+    assert not unwatched.get("status") and not unwatched["metadata"].get("finalizers")
 
 
 async def test_servings_in_one_namespace_never_touch_each_others_children(operator, serving, profile, reconciles):
