@@ -1,5 +1,5 @@
-"""`specserve render`, `specserve operator`, `specserve crds`, `specserve rbac`, `specserve admission-policy`: the commands of the operator
-itself. The local tools (canary, demo, simulate, bench-operator) are in `local/`."""
+"""`specserve render`, `specserve operator`, `specserve crds`, `specserve rbac`, `specserve admission-policy`: the
+commands of the operator itself. The local tools (canary, demo, simulate, bench-operator) are in `local/`."""
 
 import sys
 from pathlib import Path

@@ -83,6 +83,14 @@ def speculators(spec: api.SpeculativeServingSpec) -> list[tuple[str, api.Specula
     return found
 
 
+def runtimes(spec: api.SpeculativeServingSpec) -> list[tuple[str, api.RuntimeSpec | api.RuntimeOverride]]:
+    """The stable revision's runtime and a rollout candidate's override of it, each with its field path."""
+    found = [("spec.runtime", spec.runtime)]
+    if spec.rollout is not None and spec.rollout.candidate.runtime is not None:
+        found.append(("spec.rollout.candidate.runtime", spec.rollout.candidate.runtime))
+    return found
+
+
 def bundled_drafter_problems(spec: api.SpeculativeServingSpec) -> list[str]:
     """A bundled:// drafter is a folder the operator can see (the runtime's package data): what vLLM needs of
     it, and its method, are checked before any pod starts. Other references are checked by the runtime."""
@@ -145,13 +153,10 @@ def check_against_profile(serving: Serving, profile: Profile | None, namespace_l
             )
     if limits.max_num_speculative_tokens is not None:
         problems += speculative_tokens_problems(spec, profile)
-    images = [("spec.runtime.image", spec.runtime.image)]
-    if spec.rollout is not None and spec.rollout.candidate.runtime is not None:
-        images.append(("spec.rollout.candidate.runtime.image", spec.rollout.candidate.runtime.image))
-    for path, image in images:
-        if image is not None and not api.image_allowed(image, limits.allowed_images):
+    for path, runtime in runtimes(spec):
+        if runtime.image is not None and not api.image_allowed(runtime.image, limits.allowed_images):
             allowed = ", ".join(limits.allowed_images) or "none besides the engines' defaults"
-            problems.append(f"{path}: image {image!r} is not allowed by ServingProfile {profile.name!r} "
+            problems.append(f"{path}.image: image {runtime.image!r} is not allowed by ServingProfile {profile.name!r} "
                             f"(limits.allowedImages: {allowed})")
     if not limits.allow_trust_remote_code:
         problems += remote_code_problems(spec, profile)
@@ -171,12 +176,9 @@ def check_against_profile(serving: Serving, profile: Profile | None, namespace_l
 
 def remote_code_problems(spec: api.SpeculativeServingSpec, profile: Profile) -> list[str]:
     """Engine arguments that would run the model repository's own code, which the profile has not allowed."""
-    runtimes = [("spec.runtime.args", spec.runtime)]
-    if spec.rollout is not None and spec.rollout.candidate.runtime is not None:
-        runtimes.append(("spec.rollout.candidate.runtime.args", spec.rollout.candidate.runtime))
-    return [f"{path}[{index}]: {arg!r} runs the Python that the model's repository ships, which ServingProfile "
+    return [f"{path}.args[{index}]: {arg!r} runs the Python that the model's repository ships, which ServingProfile "
             f"{profile.name!r} does not allow (limits.allowTrustRemoteCode)"
-            for path, runtime in runtimes for index, arg, _ in flags_set(runtime.args, (REMOTE_CODE_FLAG,))]
+            for path, runtime in runtimes(spec) for index, arg, _ in flags_set(runtime.args, (REMOTE_CODE_FLAG,))]
 
 
 def speculative_tokens_problems(spec: api.SpeculativeServingSpec, profile: Profile) -> list[str]:
