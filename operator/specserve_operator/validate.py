@@ -29,7 +29,7 @@ class InputProblems(Exception):
         return 2
 
 
-_SUBPATH = re.compile(r"^(?:Value error, )?([A-Za-z][\w.\[\]]*): (.*)$", re.S)
+_SUBPATH = re.compile(r"^([A-Za-z][\w.\[\]]*): (.*)$")
 
 
 def field_path(prefix: str, loc: tuple) -> str:
@@ -39,11 +39,13 @@ def field_path(prefix: str, loc: tuple) -> str:
 def pydantic_problems(prefix: str, error: ValidationError) -> list[str]:
     problems = []
     for item in error.errors():
-        path, message = field_path(prefix, item["loc"]), item["msg"]
-        nested = _SUBPATH.match(message)
-        if nested and item["type"] == "value_error":  # a model validator naming a field below it
-            path, message = f"{path}.{nested.group(1)}", nested.group(2)
-        problems.append(f"{path}: {message.removeprefix('Value error, ')}")
+        path, message = field_path(prefix, item["loc"]), item["msg"].removeprefix("Value error, ")
+        if item["type"] != "value_error":
+            problems.append(f"{path}: {message}")
+            continue
+        for line in message.split("\n"):  # a validator may name several problems, one a line
+            nested = _SUBPATH.match(line)  # a model validator naming a field below it
+            problems.append(f"{path}.{nested.group(1)}: {nested.group(2)}" if nested else f"{path}: {line}")
     return problems
 
 

@@ -239,6 +239,19 @@ def test_a_profile_must_say_which_namespaces_it_serves(example_documents):
     assert parse_profile(profile)[1] == []
 
 
+@pytest.mark.parametrize("field, entries", [("allowedMethods", ["ngram", "dflash", "ngram"]),
+                                             ("allowedImages", ["registry.example/team-a/", "registry.example/team-a/"])])
+def test_a_profile_allow_list_names_each_entry_once(example_documents, field, entries):
+    """The API server refuses a duplicate in a list of type set ('Duplicate value'); the model names it."""
+    assert crd_schema("ServingProfile")["properties"]["spec"]["properties"]["limits"]["properties"][field][
+        "x-kubernetes-list-type"] == "set"
+    profile = copy.deepcopy(next(d for d in example_documents if d["kind"] == "ServingProfile"))
+    profile["spec"]["limits"][field] = entries
+    assert parse_profile(profile)[1] == [f"spec.limits.{field}: listed more than once: {entries[0]}"]
+    profile["spec"]["limits"][field] = sorted(set(entries))
+    assert parse_profile(profile)[1] == []
+
+
 def test_a_draft_tree_and_a_lookup_branch_are_accepted_where_the_engine_is_embedded(example_documents):
     serving = copy.deepcopy(next(d for d in example_documents if d["kind"] == "SpeculativeServing"))
     serving["spec"]["speculator"]["promptLookup"] = 0  # none: vLLM runs that
@@ -260,6 +273,19 @@ def test_a_batch_size_schedule_that_covers_every_batch_size_once_is_accepted(exa
     serving["spec"]["rollout"]["candidate"]["speculator"]["numSpeculativeTokensPerBatchSize"] = [
         {"minBatchSize": 1, "maxBatchSize": 64, "numSpeculativeTokens": 15}]
     assert _evaluate_cel(serving["spec"]) == [] and parse_serving(serving)[1] == []
+
+
+def test_every_problem_of_a_batch_size_schedule_is_named_at_once(example_documents):
+    serving = copy.deepcopy(next(d for d in example_documents if d["kind"] == "SpeculativeServing"))
+    serving["spec"]["speculator"]["numSpeculativeTokensPerBatchSize"] = [
+        {"minBatchSize": 1, "numSpeculativeTokens": 9},  # open before the last, and more than numSpeculativeTokens
+        {"minBatchSize": 3, "maxBatchSize": 8, "numSpeculativeTokens": 1}]  # a gap
+    at = "spec.speculator.numSpeculativeTokensPerBatchSize"
+    assert parse_serving(serving)[1] == [
+        f"{at}[0].maxBatchSize: only the last range may be open-ended",
+        f"{at}[0].numSpeculativeTokens: 9 exceeds the 7 drafts a step this speculator takes",
+        f"{at}[1].minBatchSize: 3, expected 2 (the ranges are ordered and cover every batch size from 1 once, with no "
+        "gap or overlap)"]
 
 
 def test_chart_ships_the_generated_crds():

@@ -101,20 +101,34 @@ def image_allowed(image: str, allowed: list[str]) -> bool:
         image.startswith(entry) if entry.endswith("/") else image == entry for entry in allowed)
 
 
+# An allow-list is a set: the API server refuses an entry written twice (x-kubernetes-list-type: set), and so
+# does the model, so that a second entry never looks like a second grant.
+AS_A_SET = {"x-kubernetes-list-type": "set"}
+
+
+def refuse_duplicates(entries: list[str]) -> list[str]:
+    if twice := sorted({entry for entry in entries if entries.count(entry) > 1}):
+        raise ValueError(f"listed more than once: {', '.join(twice)}")
+    return entries
+
+
 class ProfileLimits(Model):
     max_replicas: int = Field(8, ge=1, le=1000, description="per SpeculativeServing, all revisions together")
     max_hourly_cost_usd: float | None = Field(None, alias="maxHourlyCostUSD", gt=0)
-    allowed_methods: list[Method] = Field(default_factory=lambda: list(ALL_METHODS), min_length=1)
+    allowed_methods: list[Method] = Field(default_factory=lambda: list(ALL_METHODS), min_length=1,
+                                          json_schema_extra=AS_A_SET)
     max_num_speculative_tokens: int | None = Field(
         None, ge=1, le=64, description="the most drafts a step a serving may run (numSpeculativeTokens and every "
         "numSpeculativeTokensPerBatchSize entry); a speculating serving must then name its numSpeculativeTokens")
     allowed_images: list[ImageRef] = Field(
         [], max_length=64, description="the runtime images a serving may name (runtime.image): an entry ending in '/' "
         "allows every image under that path, any other entry that image alone; the engines' default images are always "
-        "allowed, and with no entry they are the only ones")
+        "allowed, and with no entry they are the only ones", json_schema_extra=AS_A_SET)
     allow_trust_remote_code: bool = Field(
         False, description="whether a serving's runtime.args may pass --trust-remote-code, which runs the Python "
         "that the model's repository ships in the serving's pods")
+
+    _sets = field_validator("allowed_methods", "allowed_images")(refuse_duplicates)
 
 
 class Slo(Model):
@@ -206,7 +220,7 @@ class Speculator(Model):
         problems = schedule_problems(self.num_speculative_tokens_per_batch_size, self.method,
                                      self.num_speculative_tokens, "numSpeculativeTokensPerBatchSize")
         if problems:
-            raise ValueError(problems[0])
+            raise ValueError("\n".join(problems))  # validate.pydantic_problems reports each on its own
         return self
 
     def embedded_only(self) -> list[str]:
