@@ -49,7 +49,8 @@ from .schedule import scheduled
 BASELINE_ANALYSES = 3  # windows with data whose mean acceptance length is a revision's baseline
 SEVERE_MIN_GENERATED_TOKENS = 10 * MIN_GENERATED_TOKENS  # the tokens of several requests: one window acts alone
 # The canary of a candidate the operator starts (a fallback, a schedule) without spec.rollout: half the replicas
-# for two default analysis intervals.
+# for two default analysis intervals (one promotes a minute sooner and misses the SLO after drift-gradual.yaml:
+# docs/benchmarks.md).
 FALLBACK_STEPS = [api.RolloutStep(weight=50, analysis_seconds=120)]
 
 
