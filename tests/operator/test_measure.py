@@ -743,12 +743,9 @@ def test_prometheus_and_scrape_sources_agree_on_real_runtimes(tmp_path):
         # Prometheus range below reaches that far back: increase() extrapolates the change it sees
         # to the range's ends (up to 1.1 scrape intervals each side), so a range of a few seconds
         # can read half as much again as happened (1.56x, seen); one of 21 s or more whose samples
-        # span it, at most 1.12x. The same factor scales every bucket of a histogram, leaving its
-        # quantiles alone, except a bucket that starts near zero: increase() never extrapolates a
-        # counter below zero, so that bucket alone grows less. A cold first request puts few
-        # inter-token gaps under 10 ms, and 1-2 there against 91 in the window moved the p99 from
-        # 18 ms to 22 ms (seen). Warming up with the window's own prompts starts each bucket at
-        # about the count it gains.
+        # span it, at most 1.12x. The same factor scales every bucket of a histogram, except one that
+        # starts near zero (measure.py's docstring: where the two sources differ); warming up with the
+        # window's own prompts starts each bucket at about the count it gains.
         flat_seconds = 20
         both(prompts)
         for revision in ports:
